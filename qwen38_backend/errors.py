@@ -1,0 +1,47 @@
+"""Typed errors: every bad input gets one of these with a message a user can act on."""
+
+from __future__ import annotations
+
+
+class Qwen38Error(Exception):
+    """Base class for every error this package raises on purpose."""
+
+
+class ModelNotFoundError(Qwen38Error):
+    """A model name or path that does not resolve to weights."""
+
+
+class ConfigError(Qwen38Error):
+    """A config.json that is missing, unreadable, or describes something we do not support."""
+
+
+class UnsupportedArchitectureError(ConfigError):
+    """A model_type / architecture this engine does not implement."""
+
+
+class WeightsError(Qwen38Error):
+    """Missing, unexpected, mis-shaped or unreadable tensors."""
+
+
+class TokenizerError(Qwen38Error):
+    """A tokenizer or chat template that cannot be loaded or rendered."""
+
+
+class DownloadError(Qwen38Error):
+    """Fetching or verifying the demo model failed."""
+
+
+class InvalidOptionError(Qwen38Error, ValueError):
+    """A sampling or engine option with an invalid value."""
+
+
+class AdmissionError(Qwen38Error):
+    """A context or pool that does not fit in memory; the message carries the shortfall."""
+
+
+class CheckpointError(Qwen38Error):
+    """A checkpoint that is corrupt, truncated, foreign or from another format version."""
+
+
+class SpillError(Qwen38Error):
+    """An I/O failure of the SSD spill tier, raised by the next read."""
