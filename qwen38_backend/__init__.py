@@ -1,0 +1,24 @@
+"""qwen38_backend: local long-context inference for the Qwen3.8 models on MLX."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .engine import Model
+
+
+def load(path_or_name: str, dtype: str | None = None) -> Model:
+    """Load a model by registry name (e.g. 'qwen38-demo') or path (HF directory or .gguf).
+
+    dtype: compute dtype ('float32', 'bfloat16', 'float16'); default fp32 on CPU, the
+    checkpoint's own float dtype on GPU.
+    """
+    from .loader import load_model
+
+    return load_model(path_or_name, dtype)
+
+
+__all__ = ["load", "__version__"]

@@ -1,0 +1,213 @@
+"""The engine: a loaded model, prefill, the decode loop, and chat sessions that stream events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import InvalidOptionError
+from .sampling import Sampler, SamplingParams
+from .state import SequenceState
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did: counts, why it stopped, and how fast."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    finish_reason: str | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # the first token comes from prefill logits; the rest each cost one decode step
+        n = max(self.generated_tokens - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt": self.prompt_tokens,
+            "cached": self.cached_tokens,
+            "generated": self.generated_tokens,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.usage(),
+            "finish_reason": self.finish_reason,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "prefill_tokens_per_second": self.prefill_tokens_per_second,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+        }
+
+
+class TokenStream:
+    """Iterator over generated token ids; `stats` is complete once it is exhausted."""
+
+    def __init__(self, tokens: Iterator[int], stats: GenerationStats):
+        self._tokens = tokens
+        self.stats = stats
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+    def close(self) -> None:
+        self._tokens.close()
+
+
+def state_arrays(state: SequenceState) -> list[mx.array]:
+    """Every array a sequence's layers hold, for evaluating them after a prefill chunk."""
+    out: list[mx.array] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, mx.array):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+
+    for layer in state.layers:
+        collect(vars(layer))
+    return out
+
+
+class Model:
+    """A loaded model: weights, tokenizer, and the generation entry points."""
+
+    prefill_chunk = 512
+
+    def __init__(self, net, checkpoint, dtype: mx.Dtype, name: str | None = None):
+        self.net = net
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self.tokenizer = checkpoint.tokenizer
+        self.config = net.config
+        self.generation_config = dict(checkpoint.generation_config or {})
+        self.name = name or Path(checkpoint.source).name
+        self.eos_token_ids = self._eos_ids()
+
+    def _eos_ids(self) -> list[int]:
+        ids = self.generation_config.get("eos_token_id")
+        if ids is None:
+            ids = getattr(self.tokenizer, "eos_token_ids", [])
+        if isinstance(ids, int):
+            ids = [ids]
+        merged = list(dict.fromkeys(int(i) for i in list(ids) + list(self.tokenizer.eos_token_ids)))
+        return merged
+
+    # ----- forward passes -----------------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        return self.net.make_state()
+
+    def forward(self, ids: mx.array | list[int], state: SequenceState, last_only: bool = False):
+        """Run ids [T] through the model at the state's position, advance it, return logits."""
+        arr = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
+        out = self.net(arr.reshape(-1), state, last_only=last_only)
+        state.advance(ids)
+        return out
+
+    def prefill(self, ids: list[int], state: SequenceState, chunk: int | None = None) -> mx.array:
+        """Feed ids in chunks (bounded activation memory); return the last position's logits."""
+        if not ids:
+            raise InvalidOptionError("cannot prefill an empty prompt")
+        chunk = chunk or self.prefill_chunk
+        logits = None
+        for start in range(0, len(ids), chunk):
+            logits = self.forward(ids[start : start + chunk], state, last_only=True)
+            mx.eval(logits, *state_arrays(state))
+        return logits[-1]
+
+    def logits(self, token_ids: Iterable[int]) -> np.ndarray:
+        """One full forward over token_ids with a fresh state: float32 [len, vocab]."""
+        ids = [int(t) for t in token_ids]
+        out = self.net(mx.array(ids, dtype=mx.int32), self.new_state())
+        return np.array(out.astype(mx.float32))
+
+    # ----- generation ---------------------------------------------------------------------
+    def generate_tokens(
+        self, prompt_ids: Iterable[int], max_tokens: int = 256, **sampling
+    ) -> TokenStream:
+        """Prefill prompt_ids into a fresh state and stream generated token ids."""
+        params = SamplingParams.from_options(max_tokens=max_tokens, **sampling)
+        ids = [int(t) for t in prompt_ids]
+        return self.run(ids, self.new_state(), params)
+
+    def run(self, ids: list[int], state: SequenceState, params: SamplingParams) -> TokenStream:
+        """Prefill ids (the part of the prompt not already in `state`) then decode."""
+        stats = GenerationStats(prompt_tokens=state.offset + len(ids), cached_tokens=state.offset)
+        return TokenStream(self._run(ids, state, params, stats), stats)
+
+    def _run(self, ids, state, params, stats) -> Iterator[int]:
+        t0 = time.perf_counter()
+        logits = self.prefill(ids, state)
+        stats.prefill_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        try:
+            yield from self._decode(logits, state, params, stats)
+        finally:
+            stats.decode_seconds = time.perf_counter() - t1
+
+    def _decode(self, logits, state, params, stats) -> Iterator[int]:
+        sampler = Sampler(params, key=state.extras.get("rng_key"))
+        stop_ids = set(
+            self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        )
+        # Without logits processors the next step is queued before this token is read back
+        # (mx.async_eval), so the host never waits idle; processors need the token first.
+        pipelined = not params.logits_processors
+        history: list[int] = []
+        if params.max_tokens == 0:
+            stats.finish_reason = "length"
+            return
+        y = sampler(logits, history)
+        mx.async_eval(y)
+        while True:
+            n = len(history) + 1
+            next_y = None
+            if pipelined and n < params.max_tokens:
+                next_logits = self.forward(y.reshape(1), state, last_only=True)
+                next_y = sampler(next_logits[-1], history)
+                mx.async_eval(next_y)
+            token = int(y.item())
+            history.append(token)
+            stats.generated_tokens = n
+            if sampler.key is not None:
+                state.extras["rng_key"] = sampler.key
+            yield token
+            if token in stop_ids:
+                stats.finish_reason = "stop"
+                return
+            if n >= params.max_tokens:
+                stats.finish_reason = "length"
+                return
+            if next_y is None:
+                next_logits = self.forward([token], state, last_only=True)
+                next_y = sampler(next_logits[-1], history)
+                mx.async_eval(next_y)
+            y = next_y
+
+    def session(self, **options) -> Session:
+        from .session import Session
+
+        return Session(self, **options)

@@ -1,0 +1,70 @@
+"""Contiguous per-sequence KV store: one growing buffer per layer (replaced by pages later)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class ContiguousKV:
+    """K/V for one attention layer of one sequence, grown in steps to avoid per-token copies."""
+
+    can_truncate = True
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.length = 0
+
+    def _reserve(self, k: mx.array, v: mx.array, need: int) -> None:
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if need <= cap:
+            return
+        grow = ((need - cap + self.step - 1) // self.step) * self.step
+        B, H, _, Dk = k.shape
+        new_k = mx.zeros((B, H, grow, Dk), k.dtype)
+        new_v = mx.zeros((B, H, grow, v.shape[3]), v.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys[..., : self.length, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., : self.length, :], new_v], axis=2)
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        """k, v: [1, kv_heads, T, head_dim]."""
+        start, end = self.length, self.length + k.shape[2]
+        self._reserve(k, v, end)
+        self.keys[..., start:end, :] = k
+        self.values[..., start:end, :] = v
+        self.length = end
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """Append k/v, then causal attention of q (the newest T positions) over everything."""
+        self.append(k, v)
+        keys = self.keys[..., : self.length, :]
+        values = self.values[..., : self.length, :]
+        mask = "causal" if q.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.length * (self.keys.nbytes + self.values.nbytes) // self.keys.shape[2]
+
+    def snapshot(self) -> dict[str, mx.array]:
+        if self.keys is None:
+            return {}
+        # Slices are copies in MLX semantics: later in-place writes do not reach them.
+        return {
+            "keys": mx.array(self.keys[..., : self.length, :]),
+            "values": mx.array(self.values[..., : self.length, :]),
+        }
+
+    def restore(self, tensors: dict[str, mx.array]) -> None:
+        self.keys = self.values = None
+        self.length = 0
+        if tensors:
+            self.append(tensors["keys"], tensors["values"])
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)

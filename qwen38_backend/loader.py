@@ -1,0 +1,24 @@
+"""From a name or path to a ready Model: resolve, read the checkpoint, build, load weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .engine import Model
+from .loading import read_checkpoint
+from .loading.registry import resolve
+from .models import build_model
+from .models.load import load_into, parse_dtype
+
+
+def load_model(path_or_name: str | Path, dtype: str | None = None) -> Model:
+    path = resolve(str(path_or_name))
+    ckpt = read_checkpoint(path)
+    config = dict(ckpt.config)
+    if ckpt.rope_interleaved:
+        config["rope_interleaved"] = True
+    net = build_model(config)
+    compute = parse_dtype(dtype, ckpt.weights)
+    load_into(net, ckpt.weights, ckpt.quantization, compute)
+    name = str(path_or_name) if not Path(str(path_or_name)).exists() else path.stem
+    return Model(net, ckpt, compute, name=name)

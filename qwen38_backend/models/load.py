@@ -1,0 +1,96 @@
+"""Put a checkpoint's tensors into a built model: validate, quantize, load, cast."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import WeightsError
+
+# Tensors a checkpoint may carry that no module owns (the vision tower, rotary caches).
+_FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def default_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
+    """fp32 on CPU (MLX's x86 half kernels are slow); the checkpoint's float dtype on GPU."""
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    for w in weights.values():
+        if w.dtype in (mx.bfloat16, mx.float16):
+            return w.dtype
+    return mx.float32
+
+
+def parse_dtype(dtype: str | mx.Dtype | None, weights: dict[str, mx.array]) -> mx.Dtype:
+    if dtype is None:
+        return default_dtype(weights)
+    if isinstance(dtype, mx.Dtype):
+        return dtype
+    names = {
+        "float32": mx.float32,
+        "fp32": mx.float32,
+        "float16": mx.float16,
+        "fp16": mx.float16,
+        "bfloat16": mx.bfloat16,
+        "bf16": mx.bfloat16,
+    }
+    if dtype not in names:
+        from ..errors import InvalidOptionError
+
+        raise InvalidOptionError(f"dtype {dtype!r} is not one of {', '.join(names)}")
+    return names[dtype]
+
+
+def load_into(
+    net: nn.Module,
+    weights: dict[str, mx.array],
+    quantization: dict[str, tuple[int, int]],
+    dtype: mx.Dtype,
+) -> None:
+    """Validate names and shapes against the model, quantize the named modules, load, cast."""
+    weights = net.sanitize(dict(weights))
+    if quantization:
+        _quantize(net, quantization)
+    expected = dict(tree_flatten(net.parameters()))
+    _check(expected, weights)
+    cast = {
+        name: (w.astype(dtype) if w.dtype in _FLOAT_TYPES and w.dtype != dtype else w)
+        for name, w in weights.items()
+    }
+    net.update(tree_unflatten(list(cast.items())))
+    mx.eval(net.parameters())
+
+
+def _quantize(net: nn.Module, quantization: dict[str, tuple[int, int]]) -> None:
+    def predicate(path: str, module: nn.Module):
+        spec = quantization.get(path)
+        if spec is None or not hasattr(module, "to_quantized"):
+            return False
+        return {"group_size": spec[0], "bits": spec[1]}
+
+    nn.quantize(net, class_predicate=predicate)
+
+
+def _check(expected: dict[str, mx.array], found: dict[str, mx.array]) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = [
+        f"{n}: expected {tuple(expected[n].shape)}, found {tuple(found[n].shape)}"
+        for n in sorted(set(expected) & set(found))
+        if tuple(expected[n].shape) != tuple(found[n].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_short(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_short(unexpected)}")
+    if wrong:
+        problems.append(f"mis-shaped tensors ({len(wrong)}): {_short(wrong)}")
+    if problems:
+        raise WeightsError("checkpoint does not match the model: " + "; ".join(problems))
+
+
+def _short(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
