@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import InvalidOptionError
+from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
 from .sampling import Sampler, SamplingParams
 from .state import SequenceState
 
@@ -26,6 +27,7 @@ class GenerationStats:
     finish_reason: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    kv: dict = field(default_factory=dict)  # the KV store's counters (pages, bytes read, ...)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -53,6 +55,7 @@ class GenerationStats:
             "decode_seconds": self.decode_seconds,
             "prefill_tokens_per_second": self.prefill_tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
+            "kv": dict(self.kv),
         }
 
 
@@ -117,8 +120,11 @@ class Model:
         return merged
 
     # ----- forward passes -----------------------------------------------------------------
-    def new_state(self) -> SequenceState:
-        return self.net.make_state()
+    def new_state(self, **kv_options) -> SequenceState:
+        """A fresh sequence; kv_options (kv_paged, kv_topk, ...) pick the KV store."""
+        state = self.net.make_state(kv_factory=make_kv_factory(**kv_options))
+        state.extras["kv_options"] = dict(kv_options)
+        return state
 
     def forward(self, ids: mx.array | list[int], state: SequenceState, last_only: bool = False):
         """Run ids [T] through the model at the state's position, advance it, return logits."""
@@ -149,9 +155,10 @@ class Model:
         self, prompt_ids: Iterable[int], max_tokens: int = 256, **sampling
     ) -> TokenStream:
         """Prefill prompt_ids into a fresh state and stream generated token ids."""
+        kv_options = {k: sampling.pop(k) for k in list(sampling) if k in KV_OPTION_KEYS}
         params = SamplingParams.from_options(max_tokens=max_tokens, **sampling)
         ids = [int(t) for t in prompt_ids]
-        return self.run(ids, self.new_state(), params)
+        return self.run(ids, self.new_state(**kv_options), params)
 
     def run(self, ids: list[int], state: SequenceState, params: SamplingParams) -> TokenStream:
         """Prefill ids (the part of the prompt not already in `state`) then decode."""
@@ -167,6 +174,7 @@ class Model:
             yield from self._decode(logits, state, params, stats)
         finally:
             stats.decode_seconds = time.perf_counter() - t1
+            stats.kv = collect_kv_stats(state)
 
     def _decode(self, logits, state, params, stats) -> Iterator[int]:
         sampler = Sampler(params, key=state.extras.get("rng_key"))

@@ -8,6 +8,7 @@ from typing import Any
 from .engine import GenerationStats, Model
 from .errors import InvalidOptionError
 from .events import Event, StreamParser
+from .kv import KV_OPTION_KEYS
 from .sampling import SamplingParams
 from .state import SequenceState
 
@@ -60,11 +61,15 @@ class Session:
         self.state: SequenceState | None = None
         self.last_stats: GenerationStats | None = None
 
-    def _split_options(self, options: dict) -> tuple[SamplingParams, dict]:
+    def _split_options(self, options: dict) -> tuple[SamplingParams, dict, dict]:
+        """Sampling params, KV store options, and the rest (chat template kwargs)."""
         merged = {**self.defaults, **options}
         sampling = {k: v for k, v in merged.items() if k in _SAMPLING_KEYS}
-        template = {k: v for k, v in merged.items() if k not in _SAMPLING_KEYS}
-        return SamplingParams.from_options(**sampling), template
+        kv = {k: v for k, v in merged.items() if k in KV_OPTION_KEYS and v is not None}
+        template = {
+            k: v for k, v in merged.items() if k not in _SAMPLING_KEYS and k not in KV_OPTION_KEYS
+        }
+        return SamplingParams.from_options(**sampling), kv, template
 
     def render(self, prompt, tools=None, **template_kwargs) -> tuple[list[int], str]:
         """Token ids and text of a prompt given as messages, a string, or token ids."""
@@ -82,11 +87,11 @@ class Session:
         )
         return tok.encode(text), text
 
-    def _prepare_state(self, ids: list[int]) -> SequenceState:
+    def _prepare_state(self, ids: list[int], kv: dict) -> SequenceState:
         """Keep the longest reusable prefix of the live state (at least one token left to run)."""
         state = self.state
-        if not self.cache or state is None:
-            return self.model.new_state()
+        if not self.cache or state is None or state.extras.get("kv_options") != kv:
+            return self.model.new_state(**kv)
         have = state.tokens
         common = 0
         limit = min(len(have), len(ids) - 1)
@@ -97,13 +102,13 @@ class Session:
         if common > 0 and state.can_truncate:
             state.truncate(common)
             return state
-        return self.model.new_state()
+        return self.model.new_state(**kv)
 
     def generate(self, prompt, tools=None, **options) -> Iterator[Event]:
         """Stream events (text, reasoning, tool_call) and a final `done` with usage."""
-        params, template_kwargs = self._split_options(options)
+        params, kv, template_kwargs = self._split_options(options)
         ids, prompt_text = self.render(prompt, tools, **template_kwargs)
-        state = self._prepare_state(ids)
+        state = self._prepare_state(ids, kv)
         self.state = state
         cached = state.offset
         stream = self.model.run(ids[cached:], state, params)
