@@ -1,0 +1,193 @@
+"""The `qwen38` command: run, chat, info, models, fetch-demo, make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import Qwen38Error
+
+
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument(
+        "--think",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="enable or disable the model's thinking (Qwen templates)",
+    )
+    p.add_argument("--dtype", default=None, help="compute dtype: float32, bfloat16, float16")
+    p.add_argument("--kv-paged", choices=["on", "off", "auto"], default=None)
+    p.add_argument("--kv-topk", type=int, default=None, help="sparse decode token budget")
+    p.add_argument("--kv-page-tokens", type=int, default=None)
+    p.add_argument("--kv-sinks", type=int, default=None)
+    p.add_argument("--kv-recent", type=int, default=None)
+    p.add_argument("--stats", action="store_true", help="print usage and speed to stderr")
+
+
+def _options(args: argparse.Namespace) -> dict:
+    opts = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    for name in ("kv_paged", "kv_topk", "kv_page_tokens", "kv_sinks", "kv_recent"):
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    if args.think is not None:
+        opts["enable_thinking"] = args.think
+    return opts
+
+
+def _stream_turn(session, messages: list[dict], args: argparse.Namespace) -> str:
+    """Stream one assistant turn to stdout; reasoning goes to stderr, dimmed."""
+    answer = []
+    for event in session.generate(messages, **_options(args)):
+        if event.type == "text":
+            answer.append(event.text)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif event.type == "reasoning":
+            sys.stderr.write(f"\x1b[2m{event.text}\x1b[0m" if sys.stderr.isatty() else event.text)
+            sys.stderr.flush()
+        elif event.type == "tool_call":
+            call = event.tool_call
+            sys.stdout.write(f"\n[tool call] {call.name}({call.arguments})\n")
+        elif event.type == "done" and args.stats:
+            s = session.last_stats
+            sys.stderr.write(
+                f"\n[{event.finish_reason}] prompt {s.prompt_tokens} (cached {s.cached_tokens}), "
+                f"generated {s.generated_tokens}; prefill {s.prefill_tokens_per_second:.1f} tok/s, "
+                f"decode {s.decode_tokens_per_second:.1f} tok/s\n"
+            )
+    sys.stdout.write("\n")
+    return "".join(answer)
+
+
+def _messages(system: str | None, prompt: str) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": prompt}]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import qwen38_backend
+
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    model = qwen38_backend.load(args.model, dtype=args.dtype)
+    _stream_turn(model.session(), _messages(args.system, prompt), args)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    import qwen38_backend
+
+    model = qwen38_backend.load(args.model, dtype=args.dtype)
+    session = model.session()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chatting with", args.model, "(Ctrl-D or 'exit' to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if line.strip() in ("exit", "quit"):
+            return 0
+        messages.append({"role": "user", "content": line})
+        messages.append({"role": "assistant", "content": _stream_turn(session, messages, args)})
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .info import describe
+
+    print(describe(args.model, context=args.context))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .loading.registry import Registry
+
+    reg = Registry()
+    entries = reg.list()
+    default = reg.default
+    print("qwen38-demo  (embedded demo model: SmolLM2-135M-Instruct, fetched on first use)")
+    for name, entry in entries.items():
+        if name == "qwen38-demo":
+            continue
+        mark = "  (default)" if name == default else ""
+        print(f"{name}  {entry.get('path', '')}{mark}")
+    return 0
+
+
+def cmd_fetch_demo(args: argparse.Namespace) -> int:
+    from .loading.demo import ensure_demo
+
+    print(ensure_demo(progress=True))
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from .testing import make_tiny_checkpoint
+
+    print(make_tiny_checkpoint(args.arch, Path(args.directory), seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen38", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="answer one prompt, streaming")
+    p.add_argument("model", help="registry name (e.g. qwen38-demo) or path")
+    p.add_argument("prompt", help="the prompt, or - to read stdin")
+    _add_generation_flags(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive chat; the session stays hot between turns")
+    p.add_argument("model")
+    _add_generation_flags(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="architecture, parameters, dtype, bytes, context")
+    p.add_argument("model")
+    p.add_argument("--context", type=int, default=None, help="print the memory plan for N tokens")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("models", help="list registered models")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("fetch-demo", help="download and verify the demo model")
+    p.set_defaults(func=cmd_fetch_demo)
+
+    p = sub.add_parser("make-tiny", help="write a random tiny checkpoint for tests")
+    p.add_argument("arch", choices=["qwen3_5", "qwen4_exp", "llama", "qwen2", "qwen3"])
+    p.add_argument("directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Qwen38Error as exc:
+        print(f"qwen38: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

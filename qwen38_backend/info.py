@@ -1,0 +1,62 @@
+"""What `qwen38 info` reports about a model, read from its checkpoint without computing."""
+
+from __future__ import annotations
+
+from .config import model_family, text_config
+
+
+def checkpoint_summary(ckpt) -> dict:
+    """Architecture, logical parameter count, stored bytes, dtypes and context of a checkpoint."""
+    params = 0
+    stored = 0
+    dtypes: dict[str, int] = {}
+    for name, w in ckpt.weights.items():
+        stored += w.nbytes
+        module = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and module in ckpt.quantization:
+            continue
+        if name.endswith(".weight") and module in ckpt.quantization:
+            bits = ckpt.quantization[module][1]
+            params += w.size * 32 // bits
+            dtypes[f"q{bits}"] = dtypes.get(f"q{bits}", 0) + 1
+        else:
+            params += w.size
+            dtypes[str(w.dtype).split(".")[-1]] = dtypes.get(str(w.dtype).split(".")[-1], 0) + 1
+    cfg = text_config(ckpt.config)
+    return {
+        "architecture": cfg.get("model_type", ckpt.config.get("model_type")),
+        "family": model_family(ckpt.config),
+        "format": ckpt.format,
+        "parameters": params,
+        "bytes": stored,
+        "dtypes": dtypes,
+        "context": cfg.get("max_position_embeddings"),
+        "layers": cfg.get("num_hidden_layers"),
+        "hidden_size": cfg.get("hidden_size"),
+        "vocab_size": cfg.get("vocab_size"),
+        "source": str(ckpt.source),
+    }
+
+
+def describe(name_or_path: str, context: int | None = None) -> str:
+    from .loading import read_checkpoint
+    from .loading.registry import resolve
+
+    ckpt = read_checkpoint(resolve(name_or_path))
+    s = checkpoint_summary(ckpt)
+    lines = [
+        f"model         {name_or_path}",
+        f"source        {s['source']} ({s['format']})",
+        f"architecture  {s['architecture']} ({s['family']} family), {s['layers']} layers, "
+        f"hidden {s['hidden_size']}, vocab {s['vocab_size']}",
+        f"parameters    {s['parameters']:,}",
+        f"stored bytes  {s['bytes']:,}",
+        "dtypes        " + ", ".join(f"{k} x{v}" for k, v in sorted(s["dtypes"].items())),
+        f"context       {s['context']:,} tokens" if s["context"] else "context       unknown",
+    ]
+    if context is not None:
+        from .admission import format_plan, memory_plan
+
+        lines.append("")
+        lines.append(format_plan(memory_plan(ckpt.config, context, weights_bytes=s["bytes"])))
+    return "\n".join(lines)
