@@ -1,0 +1,66 @@
+"""Helpers shared by the benchmarks: timing, medians, bandwidth, JSON output, peers."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+
+def median_of(runs: int, fn: Callable[[], float]) -> dict:
+    """Run fn (which returns a measurement) `runs` times; report median, min, max, all."""
+    values = [fn() for _ in range(runs)]
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "runs": values,
+    }
+
+
+def measured_read_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes/s of a large on-device reduction: the practical read-bandwidth ceiling here."""
+    x = mx.ones((nbytes // 4,), dtype=mx.float32)
+    mx.eval(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(mx.sum(x))
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def peak_bandwidth(override_gbps: float | None) -> tuple[float, str]:
+    """The bandwidth bound to compare against (bytes/s) and where the figure came from."""
+    if override_gbps:
+        return override_gbps * 1e9, "given"
+    if mx.default_device() != mx.cpu:
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        name = str(info.get("device_name", ""))
+        if "H200" in name:
+            return 4.8e12, "H200 spec sheet"
+    return measured_read_bandwidth(), "measured (mx.sum over 256 MiB)"
+
+
+def environment() -> dict:
+    return {
+        "python": sys.version.split()[0],
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def write_json(result: dict, out: str | None) -> None:
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")

@@ -1,0 +1,30 @@
+"""Test helpers: tiny dense checkpoints with a tokenizer, ready to load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DENSE_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def dense_fixture(arch: str, target: Path) -> Path:
+    """Copy a committed tiny dense checkpoint into target and give it the tiny tokenizer."""
+    from qwen38_backend.templates import write_tiny_tokenizer
+
+    src = FIXTURES / "dense" / arch
+    dst = target / arch
+    shutil.copytree(src, dst)
+    write_tiny_tokenizer(dst)
+    return dst
+
+
+def dense_reference(arch: str) -> tuple[list[int], np.ndarray]:
+    d = FIXTURES / "dense" / arch
+    return json.loads((d / "reference_tokens.json").read_text()), np.load(
+        d / "reference_logits.npy"
+    )
