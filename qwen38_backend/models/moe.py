@@ -1,0 +1,185 @@
+"""Flash-Next mixture of experts: fp32 softmax router, top-k, gathered SwiGLU experts, and a
+sigmoid-gated shared expert.
+
+Checkpoint layout (transformers' Qwen3NextExperts, which the 31-tensor MTP count confirms):
+`mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj` [E, 2I, H] (gate = FIRST half),
+`mlp.experts.down_proj` [E, H, I], `mlp.shared_expert.{gate,up,down}_proj.weight`,
+`mlp.shared_expert_gate.weight` [1, H]. Per-expert tensors (`mlp.experts.{e}.gate_proj.weight`,
+the layout transformers' save_pretrained writes) are stacked by `fuse_expert_weights`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import SwiGLU
+
+# Below this many (token, expert) pairs the unsorted gather is cheaper than sorting.
+_SORT_THRESHOLD = 64
+
+
+def route(logits: mx.array, top_k: int, normalize: bool) -> tuple[mx.array, mx.array]:
+    """Softmax in fp32 over experts, top-k, optional renormalisation.
+
+    Returns (indices [T, k] uint32, weights [T, k] fp32). The order of the k experts within a
+    row is unspecified (it does not change the weighted sum).
+    """
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    inds = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k]
+    weights = mx.take_along_axis(probs, inds, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return inds.astype(mx.uint32), weights
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as fused 3-D tensors, applied with `mx.gather_mm`."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.gate_up_proj = mx.zeros((num_experts, 2 * intermediate, hidden))
+        self.down_proj = mx.zeros((num_experts, hidden, intermediate))
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        """x [T, H], inds [T, k] -> per-(token, expert) outputs [T, k, H]."""
+        T, k = inds.shape
+        xe = x[:, None, None, :]  # [T, 1, 1, H]: one row per token, shared by its k experts
+        if T * k >= _SORT_THRESHOLD:
+            # Group rows by expert so each expert's weights are read once (prefill).
+            flat = inds.reshape(-1)
+            order = mx.argsort(flat)
+            inv = mx.argsort(order)
+            rows = xe.reshape(T, 1, -1)[order // k]  # [T*k, 1, H]
+            sorted_inds = flat[order]
+            gu = mx.gather_mm(
+                rows,
+                self.gate_up_proj.swapaxes(-1, -2),
+                rhs_indices=sorted_inds,
+                sorted_indices=True,
+            )
+            h = _swiglu(gu, self.intermediate)
+            out = mx.gather_mm(
+                h, self.down_proj.swapaxes(-1, -2), rhs_indices=sorted_inds, sorted_indices=True
+            )
+            return out[inv].reshape(T, k, -1)
+        gu = mx.gather_mm(xe, self.gate_up_proj.swapaxes(-1, -2), rhs_indices=inds)  # [T,k,1,2I]
+        h = _swiglu(gu, self.intermediate)
+        out = mx.gather_mm(h, self.down_proj.swapaxes(-1, -2), rhs_indices=inds)
+        return out.reshape(T, k, -1)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+        return QuantizedExperts(self, group_size, bits, mode)
+
+
+class QuantizedExperts(nn.Module):
+    """Affine-quantized experts (MLX layout: weight/scales/biases per fused tensor)."""
+
+    def __init__(self, src: Experts, group_size: int, bits: int, mode: str = "affine"):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = (
+            src.num_experts,
+            src.hidden,
+            src.intermediate,
+        )
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        for name in ("gate_up_proj", "down_proj"):
+            w, s, b = mx.quantize(getattr(src, name), group_size, bits)
+            setattr(self, name, {"weight": w, "scales": s, "biases": b})
+
+    def _qmm(self, x: mx.array, name: str, inds: mx.array, sorted_indices: bool) -> mx.array:
+        p = getattr(self, name)
+        return mx.gather_qmm(
+            x,
+            p["weight"],
+            p["scales"],
+            p["biases"],
+            rhs_indices=inds,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            sorted_indices=sorted_indices,
+        )
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        T, k = inds.shape
+        xe = x[:, None, None, :]
+        if T * k >= _SORT_THRESHOLD:
+            flat = inds.reshape(-1)
+            order = mx.argsort(flat)
+            inv = mx.argsort(order)
+            rows = xe.reshape(T, 1, -1)[order // k]
+            si = flat[order]
+            h = _swiglu(self._qmm(rows, "gate_up_proj", si, True), self.intermediate)
+            return self._qmm(h, "down_proj", si, True)[inv].reshape(T, k, -1)
+        h = _swiglu(self._qmm(xe, "gate_up_proj", inds, False), self.intermediate)
+        return self._qmm(h, "down_proj", inds, False).reshape(T, k, -1)
+
+
+def _swiglu(gu: mx.array, intermediate: int) -> mx.array:
+    return nn.silu(gu[..., :intermediate]) * gu[..., intermediate:]
+
+
+class SparseMoE(nn.Module):
+    """sum_k w_k * expert_k(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        shared_intermediate: int,
+        norm_topk_prob: bool = True,
+    ):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared_expert = SwiGLU(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return route(self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, weights = self.route(x)
+        routed = self.experts(x, inds)  # [T, k, H]
+        routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_expert_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Stack per-expert `experts.{e}.{gate,up,down}_proj.weight` into the fused 3-D tensors."""
+    groups: dict[str, dict[str, dict[int, mx.array]]] = {}
+    out = {}
+    for name, w in weights.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = w
+            continue
+        groups.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = w
+    for prefix, parts in groups.items():
+        n = max(max(p) for p in parts.values()) + 1
+
+        def stacked(kind: str, prefix: str = prefix, parts=parts, n: int = n) -> mx.array:
+            got = parts.get(kind, {})
+            missing = [e for e in range(n) if e not in got]
+            if missing:
+                from ..errors import WeightsError
+
+                raise WeightsError(f"{prefix}: experts {missing[:8]} lack {kind}.weight")
+            return mx.stack([got[e] for e in range(n)])
+
+        out[f"{prefix}.gate_up_proj"] = mx.concatenate(
+            [stacked("gate_proj"), stacked("up_proj")], axis=1
+        )
+        out[f"{prefix}.down_proj"] = stacked("down_proj")
+    return out
