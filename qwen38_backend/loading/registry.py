@@ -1,0 +1,158 @@
+"""Named models: a small JSON registry (`registry.json` in the data directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, InvalidOptionError, ModelNotFoundError
+from . import paths
+
+REGISTRY_FILE = "registry.json"
+DEMO_NAME = "qwen38-demo"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HOW_TO_ADD = (
+    "register one with `llm qwen38 add PATH` or "
+    "qwen38_backend.loading.registry.Registry().add(NAME, PATH)"
+)
+
+
+def validate_name(name: str) -> str:
+    """Return `name` if it is a valid model name, else raise InvalidOptionError."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidOptionError(
+            f"invalid model name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+class Registry:
+    """Model name -> path map stored as JSON; every change is written atomically."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = Path(path) if path is not None else paths.data_dir() / REGISTRY_FILE
+
+    def _read(self) -> dict[str, Any]:
+        if not self.path.exists():
+            return {"version": 1, "default": None, "models": {}}
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+                raise ValueError("expected an object with a 'models' object")
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{self.path}: unreadable model registry ({e}); fix or delete it"
+            ) from e
+        data.setdefault("default", None)
+        return data
+
+    def _write(self, data: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".registry-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def add(self, name: str, path: str | Path) -> Path:
+        """Register `name` -> `path` (an existing model directory or .gguf file)."""
+        validate_name(name)
+        p = Path(path).expanduser().resolve()
+        if not p.exists():
+            raise ModelNotFoundError(f"cannot add {name!r}: {p} does not exist")
+        if not (p.is_dir() or p.suffix.lower() == ".gguf"):
+            raise ModelNotFoundError(
+                f"cannot add {name!r}: {p} is neither a model directory nor a .gguf file"
+            )
+        data = self._read()
+        added = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        data["models"][name] = {"path": str(p), "added": added}
+        self._write(data)
+        return p
+
+    def remove(self, name: str) -> None:
+        """Forget `name` (the files stay where they are)."""
+        data = self._read()
+        if name not in data["models"]:
+            raise self._unknown(name, data)
+        del data["models"][name]
+        if data.get("default") == name:
+            data["default"] = None
+        self._write(data)
+
+    def get(self, name: str) -> Path:
+        """Path registered under `name`."""
+        data = self._read()
+        if name not in data["models"]:
+            raise self._unknown(name, data)
+        return Path(data["models"][name]["path"])
+
+    def list(self) -> dict[str, dict[str, Any]]:
+        """All registered models: name -> {"path", "added", "default"}."""
+        data = self._read()
+        default = data.get("default")
+        return {n: {**e, "default": n == default} for n, e in sorted(data["models"].items())}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._read()["models"]
+
+    @property
+    def default(self) -> str | None:
+        """Name of the default model, or None."""
+        return self._read().get("default")
+
+    @default.setter
+    def default(self, name: str | None) -> None:
+        data = self._read()
+        if name is not None and name not in data["models"]:
+            raise self._unknown(name, data)
+        data["default"] = name
+        self._write(data)
+
+    def _unknown(self, name: str, data: dict[str, Any]) -> ModelNotFoundError:
+        known = ", ".join(sorted(data["models"])) or "none"
+        return ModelNotFoundError(f"unknown model {name!r} (registered: {known}); {_HOW_TO_ADD}")
+
+
+def resolve(name_or_path: str | Path | None = None) -> Path:
+    """Path of a model given as a path, a registered name, or `qwen38-demo`.
+
+    An existing path wins; `None` means the registry default, else the demo model.
+    The demo model is fetched on first use.
+    """
+    reg = Registry()
+    if name_or_path is None:
+        name_or_path = reg.default or DEMO_NAME
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    name = str(name_or_path)
+    if name == DEMO_NAME:
+        from .demo import ensure_demo
+
+        return ensure_demo()
+    data = reg._read()
+    if name not in data["models"]:
+        known = ", ".join(sorted({*data["models"], DEMO_NAME}))
+        raise ModelNotFoundError(
+            f"{name!r} is neither an existing path nor a registered model name "
+            f"(known: {known}); {_HOW_TO_ADD}"
+        )
+    target = Path(data["models"][name]["path"])
+    if not target.exists():
+        raise ModelNotFoundError(
+            f"model {name!r} is registered at {target}, which no longer exists; "
+            f"remove it or register it again"
+        )
+    return target
