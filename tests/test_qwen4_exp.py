@@ -1,0 +1,479 @@
+"""qwen4_exp (Flash-Next): logits and QSA selections vs transformers' Qwen4ExpForCausalLM
+(fixtures from scripts/make_qwen4_exp_fixtures.py), MoE / PLE / QSA pieces vs numpy, config
+validation, state handling, the MTP formula, and a real-shape 4-layer checkpoint (slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from qwen38_backend.errors import ConfigError, WeightsError
+from qwen38_backend.kv.contiguous import ContiguousKV
+from qwen38_backend.loader import load_model
+from qwen38_backend.models import qsa
+from qwen38_backend.models.moe import SparseMoE
+from qwen38_backend.models.ple import head_vocab_sizes, ngram_multipliers, ngram_rows
+from qwen38_backend.models.qwen4_exp import Qwen4ExpConfig
+from qwen38_backend.testing.tiny_qwen4_exp import full_config, text_config, write_tiny_qwen4_exp
+
+FIX = Path(__file__).parent / "fixtures" / "qwen4_exp"
+META = json.loads((FIX / "reference.json").read_text())
+REF = np.load(FIX / "reference.npz")
+LENGTHS = (10, 40, 64)
+TOL = 1e-4
+
+
+def _fingerprint(d: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        h.update((d / name).read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    d = write_tiny_qwen4_exp(tmp_path_factory.mktemp("q4") / "tiny", seed=META["seed"])
+    assert _fingerprint(d) == META["fingerprint_sha256"], "tiny checkpoint writer changed"
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_model(ckpt)
+
+
+def _tokens(n: int) -> list[int]:
+    return META["tokens"][str(n)]
+
+
+def _feed(net, ids: list[int], state) -> np.ndarray:
+    out = net(mx.array(ids, dtype=mx.int32), state)
+    state.advance(ids)
+    return np.array(out.astype(mx.float32))
+
+
+# ----- logits vs transformers ---------------------------------------------------------------
+@pytest.mark.parametrize("n", LENGTHS)
+def test_prefill_logits_match_reference(model, n):
+    out = model.logits(_tokens(n))
+    assert np.abs(out - REF[f"logits_{n}"]).max() <= TOL
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_chunked_prefill_matches_reference(model, n):
+    ids, state, rows = _tokens(n), model.net.make_state(), []
+    for s in range(0, n, 7):  # chunks cross block (4) and sparse-regime boundaries
+        rows.append(_feed(model.net, ids[s : s + 7], state))
+    assert np.abs(np.concatenate(rows) - REF[f"logits_{n}"]).max() <= TOL
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_token_by_token_decode_matches_reference(model, n):
+    # sparse selection starts at position 11 (budget 8 = 2 blocks of 4)
+    ids, state = _tokens(n), model.net.make_state()
+    rows = [_feed(model.net, [t], state) for t in ids]
+    assert np.abs(np.concatenate(rows) - REF[f"logits_{n}"]).max() <= TOL
+
+
+def test_logits_last_only_and_engine_prefill(model):
+    ids = _tokens(40)
+    last = model.prefill(ids, model.new_state(), chunk=16)
+    assert np.abs(np.array(last) - REF["logits_40"][-1]).max() <= TOL
+
+
+# ----- QSA selections vs the reference indexer ------------------------------------------------
+def _our_selections(model, ids, monkeypatch):
+    """Run a prefill, capturing each QSA layer's (scores, token mask)."""
+    got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    scores_seen: list[mx.array] = []
+    real_scores = qsa.block_scores
+
+    def spy(qi, kb):
+        s = real_scores(qi, kb)
+        scores_seen.append(s)
+        return s
+
+    monkeypatch.setattr(qsa, "block_scores", spy)
+    layers = [i for i, b in enumerate(model.net.model.layers) if not b.is_linear]
+    originals = {}
+    for i in layers:
+        att = model.net.model.layers[i].self_attn
+        originals[i] = att.selection
+
+        def wrapped(x, st, offset, _i=i, _orig=originals[i], _att=att):
+            sel = _orig(x, st, offset)
+            assert sel is not None
+            blocks, positions = sel
+            mask = qsa.token_mask(blocks, positions, _att.ratio, offset + x.shape[0])
+            got[_i] = (np.array(scores_seen[-1]), np.array(mask))
+            return sel
+
+        monkeypatch.setattr(att, "selection", wrapped)
+    model.net(mx.array(ids, dtype=mx.int32), model.net.make_state())
+    return got
+
+
+@pytest.mark.parametrize("n", (40, 64))
+def test_qsa_selection_matches_reference_where_no_ties(model, n, monkeypatch):
+    ids = _tokens(n)
+    ours = _our_selections(model, ids, monkeypatch)
+    k = 2  # indexer_budget 8 / compress_ratio 4
+    compared = sparse = 0
+    for layer, (scores, mask) in ours.items():
+        ref = np.unpackbits(REF[f"selection_{n}_layer{layer}"], axis=-1)[:, :n].astype(bool)
+        for p in range(n):
+            nvis = (p + 1) // 4
+            if nvis > k:
+                s = np.sort(scores[p, :nvis])[::-1]
+                if s[k - 1] - s[k] <= 1e-5 * max(1.0, abs(s[k - 1])):
+                    continue  # a tie at the cut: the reference's choice is arbitrary
+                sparse += 1
+            compared += 1
+            np.testing.assert_array_equal(mask[p], ref[p], err_msg=f"layer {layer} pos {p}")
+    assert sparse >= 20 and compared >= 2 * n - 10  # the test must exercise real selections
+
+
+def test_topk_ties_take_lower_block_ids():
+    scores = mx.array(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0, 2.0],
+            [0.0, 0.0, 0.0, 0.0, 5.0, 0.0],
+            [2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+            [0.5, 0.1, 0.9, 0.9, 0.2, 0.3],
+        ]
+    )
+    got = np.array(qsa.topk_blocks(scores, 2))
+    golden = [[1, 2], [0, 4], [0, 1], [2, 3]]
+    assert [list(np.nonzero(r)[0]) for r in got] == golden
+    got4 = np.array(qsa.topk_blocks(scores, 4))
+    assert [list(np.nonzero(r)[0]) for r in got4] == [
+        [1, 2, 4, 5],
+        [0, 1, 2, 4],
+        [0, 1, 2, 3],
+        [0, 2, 3, 5],
+    ]
+
+
+def test_select_blocks_dense_regime_and_tail():
+    # 6 complete blocks, k = 2; positions 3 (1 block), 11 (3 blocks, sparse), 25 (6, sparse)
+    scores = mx.array([[0.0, 9, 1, 7, 5, 3]] * 3)
+    pos = mx.array([3, 11, 25])
+    blocks = np.array(qsa.select_blocks(scores, pos, 4, 2))
+    assert [list(np.nonzero(r)[0]) for r in blocks] == [[0], [1, 2], [1, 3]]
+    mask = np.array(qsa.token_mask(mx.array(blocks), pos, 4, 26))
+    assert list(np.nonzero(mask[0])[0]) == [0, 1, 2, 3]
+    assert list(np.nonzero(mask[1])[0]) == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert list(np.nonzero(mask[2])[0]) == [4, 5, 6, 7, 12, 13, 14, 15, 24, 25]
+    # the decode path gathers the same token set
+    idx = np.array(qsa.token_indices(mx.array(blocks[2]), 25, 4, 2))
+    assert sorted(idx.tolist()) == [4, 5, 6, 7, 12, 13, 14, 15, 24, 25]
+
+
+def test_tied_indexer_selects_lowest_blocks_end_to_end(ckpt):
+    """Zero indexer keys: every block scores 0, so the golden choice is blocks 0 and 1."""
+    m = load_model(ckpt)
+    att = m.net.model.layers[3].self_attn
+    w = np.array(att.indexer.index_qk_proj.weight)
+    w[4 * 16 :] = 0.0  # the key rows of index_qk_proj
+    att.indexer.index_qk_proj.weight = mx.array(w)
+    seen = []
+    orig = att.selection
+
+    def spy(x, st, offset):
+        sel = orig(x, st, offset)
+        seen.append(sel)
+        return sel
+
+    att.selection = spy
+    state = m.net.make_state()
+    ids = _tokens(40)[:21]
+    _feed(m.net, ids[:20], state)
+    _feed(m.net, ids[20:], state)  # decode at position 20: nvis 5 > k 2
+    blocks, positions = seen[-1]
+    assert int(positions[0].item()) == 20
+    assert list(np.nonzero(np.array(blocks[0]))[0]) == [0, 1]
+    idx = np.array(qsa.token_indices(blocks[0], 20, 4, 2))
+    assert sorted(idx.tolist()) == [0, 1, 2, 3, 4, 5, 6, 7, 20]
+
+
+# ----- MoE vs numpy --------------------------------------------------------------------------
+def _np_silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+@pytest.mark.parametrize("T", (3, 50))  # 50 * top-2 >= 64 takes the expert-sorted path
+def test_moe_matches_per_token_numpy(T):
+    E, H, inter, k = 8, 24, 12, 3
+    moe = SparseMoE(H, E, k, inter, 10, norm_topk_prob=True)
+    rng = np.random.default_rng(0)
+    params = {
+        "gate.weight": rng.standard_normal((E, H)) * 0.5,
+        "experts.gate_up_proj": rng.standard_normal((E, 2 * inter, H)) * 0.3,
+        "experts.down_proj": rng.standard_normal((E, H, inter)) * 0.3,
+        "shared_expert.gate_proj.weight": rng.standard_normal((10, H)) * 0.3,
+        "shared_expert.up_proj.weight": rng.standard_normal((10, H)) * 0.3,
+        "shared_expert.down_proj.weight": rng.standard_normal((H, 10)) * 0.3,
+        "shared_expert_gate.weight": rng.standard_normal((1, H)) * 0.3,
+    }
+    from mlx.utils import tree_unflatten
+
+    moe.update(tree_unflatten([(n, mx.array(v.astype(np.float32))) for n, v in params.items()]))
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    out = np.array(moe(mx.array(x)))
+    inds, weights = moe.route(mx.array(x))
+    P = {n: v.astype(np.float64) for n, v in params.items()}
+    for t in range(T):
+        logits = P["gate.weight"] @ x[t]
+        prob = np.exp(logits - logits.max())
+        prob /= prob.sum()
+        top = np.argsort(-prob)[:k]
+        assert set(np.array(inds[t]).tolist()) == set(top.tolist())
+        w = prob[top] / prob[top].sum()
+        y = np.zeros(H)
+        for e, we in zip(top, w, strict=True):
+            gu = P["experts.gate_up_proj"][e] @ x[t]
+            y += we * (P["experts.down_proj"][e] @ (_np_silu(gu[:inter]) * gu[inter:]))
+        sh = P["shared_expert.down_proj.weight"] @ (
+            _np_silu(P["shared_expert.gate_proj.weight"] @ x[t])
+            * (P["shared_expert.up_proj.weight"] @ x[t])
+        )
+        gate = 1.0 / (1.0 + np.exp(-(P["shared_expert_gate.weight"] @ x[t])[0]))
+        y += gate * sh
+        np.testing.assert_allclose(out[t], y, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(
+            sorted(np.array(weights[t]).tolist()), sorted(w.tolist()), atol=1e-6
+        )
+
+
+# ----- PLE -------------------------------------------------------------------------------------
+def test_ple_multipliers_and_primes_for_flash_next():
+    assert ngram_multipliers(248320, 3, 0, 1234) == [
+        23703573157769,
+        20109073645365,
+        8052911324071,
+    ]
+    assert ngram_multipliers(248320, 3, 0, 0) != ngram_multipliers(248320, 3, 0, 1234)
+    sizes = head_vocab_sizes(20_000_000, 16)
+    assert sizes[0] > 19_999_999 and len(set(sizes)) == 16 and sizes == sorted(sizes)
+    for a, b in zip(sizes, sizes[1:], strict=False):
+        assert all(any(n % d == 0 for d in range(2, math.isqrt(n) + 1)) for n in range(a + 1, b))
+    for p in sizes:
+        assert all(p % d for d in range(2, math.isqrt(p) + 1))
+    assert -(-sum(sizes) // 128) * 128 == 320_001_536
+
+
+def test_ple_eos_resets_ngram_context():
+    m = [3, 5, 7]
+    sizes = np.array(head_vocab_sizes(1000, 16), np.int64)
+    offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    eos = 7
+
+    def rows(hist):
+        return ngram_rows(np.array(hist, np.int64), len(hist) - 2, eos, m, sizes, offs, 8)
+
+    a = rows([eos, eos, 50, 60, eos, 70, 80])
+    fresh = rows([eos, eos, 70, 80])
+    np.testing.assert_array_equal(a[3:], fresh)  # after an EOS: as if the sequence restarted
+    # without the EOS the context differs
+    b = rows([eos, eos, 50, 60, 61, 70, 80])
+    assert not np.array_equal(b[3:], fresh)
+    # bigram head of token 70 after EOS: (70*m0) ^ (eos*m1)
+    assert a[3, 0] == ((70 * 3) ^ (eos * 5)) % sizes[0] + offs[0]
+    assert a[4, 8] == ((80 * 3) ^ (70 * 5) ^ (eos * 7)) % sizes[8] + offs[8]
+
+
+def test_ple_buffer_mismatch_is_a_clear_error(ckpt, tmp_path):
+    from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.models import build_model
+    from qwen38_backend.models.load import load_into
+
+    c = read_checkpoint(ckpt, tokenizer=False)
+    weights = dict(c.weights)
+    name = "model.language_model.layers.1.ple.ple_embedding.layer_multipliers"
+    weights[name] = mx.array(np.array(ngram_multipliers(512, 3, 0, 0), np.int64))
+    with pytest.raises(WeightsError, match="layer_multipliers"):
+        load_into(build_model(c.config), weights, {}, mx.float32)
+
+
+def test_memory_mapped_table_gives_the_same_logits(ckpt):
+    m = load_model(ckpt)
+    assert m.net.attach_ngram_tables(ckpt)
+    table = m.net.model.layers[1].ple.ple_embedding.table
+    assert table.dtypes is not None and len(table.shards) == 4
+    assert np.abs(m.logits(_tokens(40)) - REF["logits_40"]).max() <= TOL
+
+
+def test_per_expert_checkpoint_layout_loads(ckpt, tmp_path):
+    """transformers' save_pretrained writes per-expert tensors; sanitize fuses them."""
+    from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.models import build_model
+    from qwen38_backend.models.load import load_into
+
+    c = read_checkpoint(ckpt, tokenizer=False)
+    weights = {}
+    for n, w in c.weights.items():
+        if n.endswith("experts.gate_up_proj"):
+            p, inter = n[: -len("gate_up_proj")], w.shape[1] // 2
+            for e in range(w.shape[0]):
+                weights[f"{p}{e}.gate_proj.weight"] = w[e, :inter]
+                weights[f"{p}{e}.up_proj.weight"] = w[e, inter:]
+        elif n.endswith("experts.down_proj"):
+            p = n[: -len("down_proj")]
+            for e in range(w.shape[0]):
+                weights[f"{p}{e}.down_proj.weight"] = w[e]
+        else:
+            weights[n] = w
+    net = build_model(c.config)
+    load_into(net, weights, {}, mx.float32)
+    out = np.array(net(mx.array(_tokens(10), dtype=mx.int32), net.make_state()))
+    assert np.abs(out - REF["logits_10"]).max() <= TOL
+
+
+# ----- state -----------------------------------------------------------------------------------
+def test_snapshot_restore_replays_exactly(model):
+    ids = _tokens(64)
+    state = model.net.make_state()
+    _feed(model.net, ids[:30], state)
+    snap = state.snapshot()
+    first = [_feed(model.net, [t], state) for t in ids[30:36]]
+    assert not state.can_truncate  # recurrent layers: rewinds go through snapshots
+    state.restore(snap)
+    again = [_feed(model.net, [t], state) for t in ids[30:36]]
+    np.testing.assert_array_equal(np.concatenate(first), np.concatenate(again))
+    np.testing.assert_allclose(np.concatenate(again), REF["logits_64"][30:36], atol=TOL)
+
+
+def test_qsa_state_truncate_drops_pooled_blocks_and_repools(model):
+    att = model.net.model.layers[3].self_attn
+    x = mx.array(np.random.default_rng(1).standard_normal((14, 64)).astype(np.float32))
+    st = qsa.QSAState(ContiguousKV(), 4)
+    y_full = att(x, st, 0)
+    pooled = np.array(st.blocks())
+    assert st.n_blocks == 3 and st.length == 14
+    st.truncate(6)
+    assert st.n_blocks == 1 and st.length == 6 and st.kv.length == 6
+    y_tail = att(x[6:], st, 6)
+    np.testing.assert_allclose(np.array(st.blocks()), pooled, atol=1e-6)
+    np.testing.assert_allclose(np.array(y_tail), np.array(y_full[6:]), atol=1e-5)
+
+
+# ----- config validation -------------------------------------------------------------------------
+def _cfg(**change) -> dict:
+    c = text_config("tiny")
+    for k, v in change.items():
+        if v is None:
+            c.pop(k)
+        else:
+            c[k] = v
+    return full_config(c)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"indexer_budget": None}, "indexer_budget"),
+        ({"indexer_kv_heads": 2}, "indexer_kv_heads must be 1"),
+        ({"indexer_budget": 10}, "multiple of indexer_compress_ratio"),
+        ({"indexer_head_dim": 4}, "fit indexer_head_dim"),
+        ({"hc_count": 1}, "hc_count must be > 1"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+        ({"ple_layer_ids": [4]}, "only supported on linear_attention"),
+        ({"ple_layer_ids": [9]}, "1-based"),
+        ({"ple_embed_dim": 60}, "split evenly"),
+        ({"eos_token_id": None, "bos_token_id": None}, "eos_token_id"),
+        ({"output_gate_type": "relu"}, "output_gate_type"),
+        ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
+        ({"hc_lowrank": "8"}, "hc_lowrank"),
+    ],
+)
+def test_config_validation_errors(change, match):
+    with pytest.raises(ConfigError, match=match):
+        Qwen4ExpConfig.from_dict(_cfg(**change))
+
+
+def test_layer_type_spellings_all_mean_qsa():
+    for spelling in ("full_attention", "indexed_attention", "qwen_sparse_attention"):
+        types = ["linear_attention", "linear_attention", "linear_attention", spelling] * 2
+        cfg = Qwen4ExpConfig.from_dict(_cfg(layer_types=types))
+        assert cfg.layer_types == ("linear_attention",) * 3 + ("qsa",) + (
+            "linear_attention",
+        ) * 3 + ("qsa",)
+    flat = text_config("tiny")  # a flat (text-only) config works too
+    assert Qwen4ExpConfig.from_dict(flat).num_hidden_layers == 8
+
+
+# ----- MTP -------------------------------------------------------------------------------------
+def test_mtp_has_31_tensors_and_is_dropped_when_absent(ckpt, model):
+    assert len(tree_flatten(model.net.mtp.parameters())) == 31
+    from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.models import build_model
+    from qwen38_backend.models.load import load_into
+
+    c = read_checkpoint(ckpt, tokenizer=False)
+    net = build_model(c.config)
+    load_into(net, {n: w for n, w in c.weights.items() if not n.startswith("mtp.")}, {}, mx.float32)
+    assert not net.has_mtp
+
+
+def _rms_zc(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def test_mtp_draft_equals_formula(model):
+    net = model.net
+    ids = _tokens(40)[:12]
+    R = net.residual(mx.array(ids, dtype=mx.int32), net.make_state())  # H_i, [T, 256]
+    nxt = mx.array(ids[1:] + [5], dtype=mx.int32)  # t_{i+1}
+    st = net.make_mtp_state()
+    draft = np.array(net.draft_logits(R, nxt, st))
+    assert st.offset == 12 and st.last_residual is not None
+
+    # fusion by hand, ONE norm statistic over all 4 x 64 features
+    mtp = net.mtp
+    p = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(mtp.parameters())}
+    }
+    emb = np.array(net.model.embed_tokens.weight, dtype=np.float64)[np.array(nxt)]
+    e = _rms_zc(emb, p["pre_fc_norm_embedding.weight"]) @ p["fc_embedding.weight"].T
+    Hn = _rms_zc(np.array(R, dtype=np.float64), p["pre_fc_norm_hidden.weight"])
+    S0 = (Hn.reshape(12, 4, 64) @ p["fc_hidden.weight"].T + e[:, None, :]).reshape(12, 256)
+    np.testing.assert_allclose(
+        np.array(mtp.fuse(R, mx.array(emb.astype(np.float32)))), S0, atol=2e-5
+    )
+    # grouped statistics would give something else: the test can tell them apart
+    grouped = _rms_zc(
+        np.array(R, dtype=np.float64).reshape(12, 4, 64),
+        p["pre_fc_norm_hidden.weight"].reshape(4, 64),
+    )
+    assert np.abs(grouped.reshape(12, 256) - Hn).max() > 1e-2
+
+    # then one Flash-Next layer (QSA + MoE, own state), the head's mixer, the shared lm_head
+    layer_state = mtp.layers[0].make_state(net.config, ContiguousKV)
+    S = mtp.layers[0](mx.array(S0.astype(np.float32)), None, layer_state, 0)
+    x = mtp.hyper_connection_mixer.read(S)
+    expect = np.array(x) @ np.array(net.lm_head.weight).T
+    np.testing.assert_allclose(draft, expect, atol=1e-4)
+
+
+# ----- real shapes -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_shape_flash_next_4_layers_decodes(tmp_path):
+    d = write_tiny_qwen4_exp(tmp_path / "flash", seed=0, dims="flash", dtype="bfloat16")
+    m = load_model(d)
+    assert m.net.attach_ngram_tables(d)
+    cfg = m.net.config
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_lowrank) == (
+        2560,
+        24,
+        256,
+        320,
+    )
+    out = list(m.generate_tokens([248045, 100, 200, 248044, 300, 400], max_tokens=4))
+    assert len(out) == 4 and all(0 <= t < cfg.vocab_size for t in out)
