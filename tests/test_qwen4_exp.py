@@ -439,7 +439,6 @@ def test_mtp_draft_equals_formula(model):
     # fusion by hand, ONE norm statistic over all 4 x 64 features
     mtp = net.mtp
     p = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(mtp.parameters())}
-    }
     emb = np.array(net.model.embed_tokens.weight, dtype=np.float64)[np.array(nxt)]
     e = _rms_zc(emb, p["pre_fc_norm_embedding.weight"]) @ p["fc_embedding.weight"].T
     Hn = _rms_zc(np.array(R, dtype=np.float64), p["pre_fc_norm_hidden.weight"])
