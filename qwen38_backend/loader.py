@@ -11,7 +11,9 @@ from .models import build_model
 from .models.load import load_into, parse_dtype
 
 
-def load_model(path_or_name: str | Path, dtype: str | None = None) -> Model:
+def load_model(
+    path_or_name: str | Path, dtype: str | None = None, keep_quantized: bool | None = None
+) -> Model:
     path = resolve(str(path_or_name))
     ckpt = read_checkpoint(path)
     config = dict(ckpt.config)
@@ -19,6 +21,7 @@ def load_model(path_or_name: str | Path, dtype: str | None = None) -> Model:
         config["rope_interleaved"] = True
     net = build_model(config)
     compute = parse_dtype(dtype, ckpt.weights)
-    load_into(net, ckpt.weights, ckpt.quantization, compute)
+    dequantize = None if keep_quantized is None else not keep_quantized
+    load_into(net, ckpt.weights, ckpt.quantization, compute, dequantize=dequantize)
     name = str(path_or_name) if not Path(str(path_or_name)).exists() else path.stem
     return Model(net, ckpt, compute, name=name)

@@ -70,12 +70,15 @@ def _quantized_copy(src, dst, bits: int, group_size: int = 32):
     return dequantized
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_quantized_loading_matches_dequantized_weights(tmp_path, arch, bits):
+def test_quantized_loading_matches_dequantized_weights(tmp_path, arch, bits, keep):
     src = dense_fixture(arch, tmp_path)
     dequantized = _quantized_copy(src, tmp_path / "q", bits)
-    qmodel = qwen38_backend.load(tmp_path / "q")
+    qmodel = qwen38_backend.load(tmp_path / "q", keep_quantized=keep)
+    packed = "QuantizedLinear" in type(qmodel.net.model.layers[0].mlp.up_proj).__name__
+    assert packed == keep
     # reference: the same architecture with the dequantized weights as plain floats
     deq_dir = tmp_path / "deq"
     deq_dir.mkdir()
