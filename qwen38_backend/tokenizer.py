@@ -148,8 +148,28 @@ def _prepare_messages(messages: Sequence[Any]) -> list[dict]:
         reasoning = next((m[k] for k in _REASONING_KEYS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_dict_arguments(call) for call in m["tool_calls"]]
         out.append(m)
     return out
+
+
+def _dict_arguments(call: Any) -> Any:
+    """OpenAI-style history carries arguments as a JSON string; Qwen templates iterate a dict."""
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function")
+    target = fn if isinstance(fn, dict) else call
+    args = target.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return call
+        if isinstance(parsed, dict):
+            target = {**target, "arguments": parsed}
+            return {**call, "function": target} if isinstance(fn, dict) else target
+    return call
 
 
 # --- Jinja environment ---------------------------------------------------------------------

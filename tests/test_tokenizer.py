@@ -559,3 +559,27 @@ def test_demo_detokenizer(demo_pair) -> None:
     parts = _stream(ours, ids)
     assert "".join(parts) == text
     assert all("\ufffd" not in p for p in parts)
+
+
+def test_json_string_tool_arguments_render_like_dict_arguments(tmp_path):
+    """OpenAI-style history (arguments as a JSON string) renders as if given a dict."""
+    from qwen38_backend.templates import write_tiny_tokenizer
+    from qwen38_backend.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(write_tiny_tokenizer(tmp_path / "tok"))
+
+    def history(arguments):
+        call = {
+            "type": "function",
+            "id": "c1",
+            "function": {"name": "lookup", "arguments": arguments},
+        }
+        return [
+            {"role": "user", "content": "find it"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        ]
+
+    as_dict = tok.apply_chat_template(history({"query": "x", "n": 2}))
+    as_text = tok.apply_chat_template(history('{"query": "x", "n": 2}'))
+    assert as_text == as_dict and "<parameter=query>" in as_dict
