@@ -1,0 +1,198 @@
+"""qwen3_5 on CPU: ours vs mlx-lm 0.32.2's qwen3_5, on the SAME checkpoint directory.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    python benchmarks/bench_qwen3_5_cpu.py --out bench_qwen3_5_cpu.json
+
+Models: the tiny random qwen3_5 (fp32) and the real 27B widths with 4 layers (3 Gated DeltaNet
++ 1 attention, vocab 248320, bf16 on disk; `--real-dir` reuses one, else it is generated).
+Both engines compute in fp32 (MLX's x86 half kernels are slow); mlx-lm's model is cast with
+set_dtype(float32) so the comparison is like for like. Each (engine, model) runs in its own
+subprocess so memory is returned between them. Reports medians of --runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def prompt(length: int, vocab: int) -> list[int]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.integers(10, min(vocab, 500), size=length).tolist()
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "runs": values}
+
+
+# ----- workers (run in a subprocess) ---------------------------------------------------------
+def load_ours_fp32(path: str):
+    """Load with a per-tensor fp32 cast so bf16 sources are freed as we go (peak ~ fp32 size)."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    from qwen38_backend.engine import Model
+    from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.models import build_model
+
+    ckpt = read_checkpoint(path)
+    net = build_model(ckpt.config)
+    weights = net.sanitize(dict(ckpt.weights))
+    ckpt.weights.clear()
+    for name in list(weights):
+        w = weights.pop(name).astype(mx.float32)
+        mx.eval(w)
+        net.update(tree_unflatten([(name, w)]), strict=False)
+    return Model(net, ckpt, mx.float32)
+
+
+def worker_ours(path: str, lengths: list[int], decode: int, runs: int) -> dict:
+    import mlx.core as mx
+
+    model = load_ours_fp32(path)
+    vocab = model.config.vocab_size
+    for _ in model.generate_tokens(prompt(80, vocab), max_tokens=3):  # warm-up (compiles)
+        pass
+    out: dict = {"prefill": {}}
+    for n in lengths:
+        ids = prompt(n, vocab)
+        vals = []
+        for _ in range(runs):
+            st = model.new_state()
+            t = time.perf_counter()
+            mx.eval(model.prefill(ids, st, chunk=4096))
+            vals.append(n / (time.perf_counter() - t))
+        out["prefill"][str(n)] = _stats(vals)
+    vals = []
+    for _ in range(runs):
+        stream = model.generate_tokens(prompt(16, vocab), max_tokens=decode + 1)
+        for _ in stream:
+            pass
+        vals.append(stream.stats.decode_tokens_per_second)
+    out["decode"] = _stats(vals)
+    return out
+
+
+def worker_mlx_lm(path: str, lengths: list[int], decode: int, runs: int) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = mlx_lm.load(path)
+    model.set_dtype(mx.float32)
+    vocab = model.args.text_config["vocab_size"]
+    for _ in generate_step(mx.array(prompt(80, vocab)), model, max_tokens=3):  # warm-up
+        pass
+    out: dict = {"prefill": {}}
+    for n in lengths:
+        ids = mx.array(prompt(n, vocab))
+        vals = []
+        for _ in range(runs):
+            cache = make_prompt_cache(model)
+            t = time.perf_counter()
+            logits = model(ids[None], cache=cache)
+            mx.eval(logits[:, -1], [c.state for c in cache])
+            vals.append(n / (time.perf_counter() - t))
+        out["prefill"][str(n)] = _stats(vals)
+    vals = []
+    for _ in range(runs):
+        gen = generate_step(mx.array(prompt(16, vocab)), model, max_tokens=decode + 1)
+        next(gen)  # first token comes from the prefill
+        t = time.perf_counter()
+        for _ in range(decode):
+            next(gen)
+        vals.append(decode / (time.perf_counter() - t))
+    out["decode"] = _stats(vals)
+    return out
+
+
+# ----- driver ---------------------------------------------------------------------------------
+def run_worker(engine: str, path: Path, lengths, decode, runs) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        engine,
+        "--model-dir",
+        str(path),
+        "--lengths",
+        ",".join(map(str, lengths)),
+        "--decode",
+        str(decode),
+        "--runs",
+        str(runs),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-5:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tiny-lengths", default="512,4096")
+    p.add_argument("--real-lengths", default="512,4096")
+    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--real-runs", type=int, default=2)
+    p.add_argument("--real-dir", default=None, help="existing 27B-shape checkpoint to reuse")
+    p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--skip-mlx-lm", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", choices=["ours", "mlx-lm"], help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--lengths", help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.worker:
+        fn = worker_ours if args.worker == "ours" else worker_mlx_lm
+        lengths = [int(x) for x in args.lengths.split(",") if x]
+        print(json.dumps(fn(args.model_dir, lengths, args.decode, args.runs)))
+        return
+
+    sys.path.insert(0, str(HERE))
+    from common import environment, write_json
+
+    from qwen38_backend.testing import make_tiny_checkpoint
+
+    engines = ["ours"] + ([] if args.skip_mlx_lm else ["mlx-lm"])
+    result: dict = {"environment": environment(), "compute_dtype": "float32", "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = make_tiny_checkpoint("qwen3_5", Path(tmp) / "tiny", seed=0)
+        todo = [("tiny", tiny, [int(x) for x in args.tiny_lengths.split(",")], args.runs)]
+        if not args.skip_real:
+            real = Path(args.real_dir) if args.real_dir else None
+            if real is None or not (real / "model.safetensors").exists():
+                real = real or Path(tmp) / "real"
+                make_tiny_checkpoint(
+                    "qwen3_5",
+                    real,
+                    seed=0,
+                    dims="27b",
+                    num_layers=4,
+                    dtype="bfloat16",
+                    with_mtp=False,
+                )
+            lengths = [int(x) for x in args.real_lengths.split(",")]
+            todo.append(("27b_4layers_bf16_ckpt", real, lengths, args.real_runs))
+        for label, path, lengths, runs in todo:
+            result["models"][label] = {
+                engine: run_worker(engine, path, lengths, args.decode, runs) for engine in engines
+            }
+            print(f"{label}: done", file=sys.stderr)
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
