@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from .engine import GenerationStats, Model
-from .errors import InvalidOptionError
+import mlx.core as mx
+
+from .admission import MemoryPlan, admit, available_memory, memory_plan
+from .checkpoint import check_compatible, model_fingerprint
+from .engine import GenerationStats, Model, TokenStream
+from .errors import CheckpointError, InvalidOptionError
 from .events import Event, StreamParser
-from .kv import KV_OPTION_KEYS
+from .kv import KV_OPTION_KEYS, collect_kv_stats
+from .prefix_store import PrefixStore
 from .sampling import SamplingParams
-from .state import SequenceState
+from .state import RewindError, SequenceState, StateSnapshot
 
 _SAMPLING_KEYS = {
     "max_tokens",
@@ -52,14 +58,36 @@ class StopStringFilter:
 
 
 class Session:
-    """One conversation: keeps its SequenceState so a follow-up only prefills what is new."""
+    """One conversation: keeps its SequenceState so a follow-up only prefills what is new.
 
-    def __init__(self, model: Model, cache: bool = True, **defaults: Any):
+    cache=True (default) also looks prompts up in the prefix store (memory + disk) and stores
+    checkpoints there: at the last message boundary and the prompt boundary (models with
+    recurrent layers, which cannot be cut back) and after generation. Pass a PrefixStore to
+    use your own directory / caps. cache=False recomputes every prompt and stores nothing.
+    Options besides sampling / KV / template ones: `memory_limit` (bytes; admission refuses
+    prompts whose memory plan does not fit, default: what the OS reports available) and
+    `admission=False` to skip that check.
+    """
+
+    max_save_points = 8  # rewind points kept in the live state (recurrent layers only cost)
+
+    def __init__(self, model: Model, cache: bool | PrefixStore = True, **defaults: Any):
         self.model = model
-        self.cache = cache
+        self.store: PrefixStore | None = None
+        if isinstance(cache, PrefixStore):
+            self.store, cache = cache, True
+        self.cache = bool(cache)
+        self.memory_limit: int | None = defaults.pop("memory_limit", None)
+        self.admission: bool = bool(defaults.pop("admission", True))
         self.defaults = defaults
         self.state: SequenceState | None = None
         self.last_stats: GenerationStats | None = None
+        self.last_plan: MemoryPlan | None = None
+
+    def _get_store(self) -> PrefixStore:
+        if self.store is None:
+            self.store = default_store()
+        return self.store
 
     def _split_options(self, options: dict) -> tuple[SamplingParams, dict, dict]:
         """Sampling params, KV store options, and the rest (chat template kwargs)."""
@@ -87,36 +115,170 @@ class Session:
         )
         return tok.encode(text), text
 
-    def _prepare_state(self, ids: list[int], kv: dict) -> SequenceState:
-        """Keep the longest reusable prefix of the live state (at least one token left to run)."""
+    def message_boundary(self, prompt, ids: list[int], tools=None, **template_kwargs) -> int:
+        """Tokens of the rendered messages before the generation prompt (0 if not a prefix).
+
+        The next turn re-renders these messages the same way (templates change only what
+        follows, e.g. Qwen strips earlier <think> blocks), so a snapshot here is reusable even
+        by recurrent layers, which need the exact boundary.
+        """
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if not prompt or not all(isinstance(m, dict) for m in prompt):
+            return 0
+        tok = self.model.tokenizer
+        try:
+            text = tok.apply_chat_template(
+                prompt, tools=tools, add_generation_prompt=False, tokenize=False, **template_kwargs
+            )
+        except Exception:  # a template may refuse to end without a generation prompt
+            return 0
+        head = tok.encode(text)
+        if 0 < len(head) < len(ids) and ids[: len(head)] == head:
+            return len(head)
+        return 0
+
+    # ----- state selection ----------------------------------------------------------------
+    def _live_reuse(self, ids: list[int], kv: dict, limit: int) -> int:
+        """How many prompt tokens the live state can keep (0: none)."""
         state = self.state
-        if not self.cache or state is None or state.extras.get("kv_options") != kv:
-            return self.model.new_state(**kv)
+        if state is None or state.extras.get("kv_options") != kv:
+            return 0
         have = state.tokens
-        common = 0
-        limit = min(len(have), len(ids) - 1)
-        while common < limit and have[common] == ids[common]:
-            common += 1
-        if common == len(have):
-            return state
-        if common > 0 and state.can_truncate:
-            state.truncate(common)
-            return state
-        return self.model.new_state(**kv)
+        common = min(_common_prefix(have, ids), limit)
+        if state.can_rewind_to(common):
+            return common
+        points = [p for p in state.save_points if p <= common]
+        return max(points, default=0)
+
+    def _prepare_state(self, ids: list[int], kv: dict) -> SequenceState:
+        """The state to continue from: the live one cut back, a stored checkpoint, or fresh.
+
+        At least one prompt token is always left to run (its logits start decoding).
+        """
+        if not self.cache:
+            return self.model.new_state(**kv)
+        limit = len(ids) - 1
+        live = self._live_reuse(ids, kv, limit)
+        fresh = self.model.new_state(**kv)
+        store = self._get_store()
+        hit = store.lookup(
+            self._fingerprint(),
+            ids,
+            truncatable=fresh.can_truncate,
+            kinds=fresh.kinds(),
+            limit=limit,
+        )
+        if hit is not None and hit.length > live:
+            try:
+                snap = store.load(hit, self.model)
+                check_compatible(snap, fresh)
+                fresh.restore(snap)
+                if fresh.offset > hit.length:
+                    fresh.truncate(hit.length)
+                return fresh
+            except (CheckpointError, RewindError) as e:
+                # refused (and reported by the store): fall back to what we have
+                store.last_error = str(e)
+                fresh = self.model.new_state(**kv)
+        if live > 0:
+            assert self.state is not None
+            self.state.truncate(live)
+            return self.state
+        return fresh
+
+    def _fingerprint(self) -> str:
+        return model_fingerprint(self.model)
+
+    # ----- admission ----------------------------------------------------------------------
+    def _admit(self, ids: list[int], params: SamplingParams, kv: dict) -> None:
+        if not self.admission:
+            return
+        context = len(ids) + params.max_tokens
+        plan = memory_plan(self.model, context, prompt_tokens=len(ids), **kv)
+        self.last_plan = plan
+        if self.memory_limit is not None:
+            available = int(self.memory_limit)
+        else:
+            available = available_memory()
+            if available is None:
+                return
+            # the live state is replaced or reused: its bytes count as available
+            available += self.state.nbytes() if self.state is not None else 0
+        # weights are already resident (loaded), so only per-sequence memory is new
+        admit(plan, available, include_weights=False)
+
+    # ----- generation ---------------------------------------------------------------------
+    def rewind(self, n: int) -> None:
+        """Drop the last n tokens of the live state (recurrent layers: to a save point)."""
+        if self.state is None:
+            raise RewindError("nothing to rewind: this session has not run yet")
+        self.state.rewind(n)
 
     def generate(self, prompt, tools=None, **options) -> Iterator[Event]:
         """Stream events (text, reasoning, tool_call) and a final `done` with usage."""
         params, kv, template_kwargs = self._split_options(options)
         ids, prompt_text = self.render(prompt, tools, **template_kwargs)
+        self._admit(ids, params, kv)
+        boundary = self.message_boundary(prompt, ids, tools, **template_kwargs)
         state = self._prepare_state(ids, kv)
         self.state = state
         cached = state.offset
-        stream = self.model.run(ids[cached:], state, params)
-        self.last_stats = stream.stats
-        yield from self._events(stream, prompt_text, params)
+        recurrent = not state.can_truncate
+        pending: list[StateSnapshot] = []
+        stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
+        self.last_stats = stats
+        tokens = self._run(ids, boundary, state, params, stats, pending, recurrent)
+        yield from self._events(TokenStream(tokens, stats), prompt_text, params, pending)
 
-    def _events(self, stream, prompt_text: str, params: SamplingParams) -> Iterator[Event]:
+    def _run(self, ids, boundary, state, params, stats, pending, recurrent) -> Iterator[int]:
+        """Engine.run with stops at the message and prompt boundaries to mark / snapshot."""
+        t0 = time.perf_counter()
+        if state.offset < boundary < len(ids):
+            self.model.prefill(ids[state.offset : boundary], state)
+            self._mark(state, pending, recurrent)
+        logits = self.model.prefill(ids[state.offset :], state)
+        self._mark(state, pending, recurrent)
+        stats.prefill_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        try:
+            yield from self.model._decode(logits, state, params, stats)
+        finally:
+            stats.decode_seconds = time.perf_counter() - t1
+            stats.kv = collect_kv_stats(state)
+
+    def _mark(self, state: SequenceState, pending: list[StateSnapshot], recurrent: bool) -> None:
+        """A rewind point here; with recurrent layers also a snapshot for the prefix store."""
+        state.save_point()
+        state.drop_save_points(keep=self.max_save_points)
+        if self.cache and recurrent:
+            snap = state.snapshot()
+            mx.eval([a for layer in snap.layers for a in layer.values()])
+            pending.append(snap)
+
+    def _persist(self, state: SequenceState, pending: list[StateSnapshot]) -> None:
+        """Store the boundary snapshots and the state after generation."""
+        if not self.cache:
+            return
+        store = self._get_store()
+        fp = self._fingerprint()
+        for snap in pending:
+            store.put(self.model, snap, fingerprint=fp)
+        final = state.snapshot()
+        if final.tokens:
+            # attention-only states truncate, so the final state serves every shorter prefix
+            store.put(self.model, final, fingerprint=fp, supersede=state.can_truncate)
+        pending.clear()
+
+    def _events(
+        self,
+        stream,
+        prompt_text: str,
+        params: SamplingParams,
+        pending: list[StateSnapshot],
+    ) -> Iterator[Event]:
         tok = self.model.tokenizer
+        state = self.state
         detok = tok.detokenizer()
         parser = StreamParser(start_in_reasoning=_opens_reasoning(prompt_text))
         stops = StopStringFilter(params.stop)
@@ -137,6 +299,8 @@ class Session:
                 yield from parser.feed(stops.flush())
         yield from parser.finish()
         stats = stream.stats
+        if state is not None:
+            self._persist(state, pending)
         yield Event(type="done", finish_reason=stats.finish_reason, usage=stats.usage())
 
 
@@ -144,3 +308,25 @@ def _opens_reasoning(prompt_text: str, open_tag: str = "<think>", close_tag: str
     """True when the rendered prompt leaves a <think> block open (the model starts reasoning)."""
     i = prompt_text.rfind(open_tag)
     return i >= 0 and close_tag not in prompt_text[i:]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+_DEFAULT_STORES: dict[str, PrefixStore] = {}
+
+
+def default_store() -> PrefixStore:
+    """One PrefixStore per default directory (data_dir()/checkpoints), shared in-process."""
+    from .prefix_store import default_directory
+
+    directory = str(default_directory())
+    store = _DEFAULT_STORES.get(directory)
+    if store is None:
+        store = _DEFAULT_STORES[directory] = PrefixStore(directory)
+    return store

@@ -30,6 +30,24 @@ class LayerState(Protocol):
     def truncate(self, length: int) -> None: ...
 
 
+def state_kind(layer: object) -> str:
+    """`name/vN` identifying a layer state's snapshot format, nested stores included.
+
+    A class declares `state_kind: str` and `state_version: int` (defaults: the class name and
+    1); bump the version whenever `snapshot()`'s keys, shapes or meaning change, so checkpoints
+    written by the old format are refused instead of restored wrongly. Wrapped stores (a QSA
+    state's `kv`, a mixer's `ple`) are part of the kind, so contiguous and paged layouts differ.
+    """
+    cls = type(layer)
+    kind = f"{getattr(cls, 'state_kind', cls.__name__)}/v{getattr(cls, 'state_version', 1)}"
+    inner = [
+        f"{name}={state_kind(value)}"
+        for name, value in sorted(vars(layer).items())
+        if hasattr(value, "snapshot") and hasattr(value, "restore") and not isinstance(value, type)
+    ]
+    return f"{kind}({','.join(inner)})" if inner else kind
+
+
 class NoState:
     """A layer that keeps nothing between calls (e.g. a pure MLP block)."""
 
@@ -55,6 +73,7 @@ class StateSnapshot:
     tokens: list[int]
     layers: list[dict[str, mx.array]]
     extras: dict[str, Any] = field(default_factory=dict)
+    kinds: list[str] | None = None  # state_kind() per layer, for compatibility checks
 
     @property
     def offset(self) -> int:
@@ -73,6 +92,9 @@ class SequenceState:
         self._tokens: list[int] = []
         self._pending: list[mx.array] = []  # fed but not yet read back (async decode)
         self.extras: dict[str, Any] = {}  # e.g. sampler RNG key
+        # offset -> snapshots of the non-truncatable layers (None for truncatable ones):
+        # the positions a rewind of recurrent state can return to.
+        self._save_points: dict[int, list[dict[str, mx.array] | None]] = {}
 
     @property
     def offset(self) -> int:
@@ -99,12 +121,17 @@ class SequenceState:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def kinds(self) -> list[str]:
+        """state_kind() of every layer (what a snapshot of this sequence can be restored into)."""
+        return [state_kind(layer) for layer in self.layers]
+
     def snapshot(self) -> StateSnapshot:
         self._resolve()
         return StateSnapshot(
             tokens=list(self._tokens),
             layers=[layer.snapshot() for layer in self.layers],
             extras=dict(self.extras),
+            kinds=self.kinds(),
         )
 
     def restore(self, snap: StateSnapshot) -> None:
@@ -112,18 +139,57 @@ class SequenceState:
             raise RewindError(
                 f"snapshot has {len(snap.layers)} layers, this sequence has {len(self.layers)}"
             )
-        for layer, tensors in zip(self.layers, snap.layers):
+        if snap.kinds is not None and snap.kinds != self.kinds():
+            bad = next(
+                i for i, (a, b) in enumerate(zip(snap.kinds, self.kinds(), strict=False)) if a != b
+            )
+            raise RewindError(
+                f"snapshot layer {bad} is {snap.kinds[bad]}, this sequence has {self.kinds()[bad]}"
+            )
+        for layer, tensors in zip(self.layers, snap.layers, strict=True):
             layer.restore(tensors)
         self._tokens = list(snap.tokens)
         self._pending.clear()
+        self._save_points.clear()  # they belonged to the history this restore replaced
         self.extras = dict(snap.extras)
+
+    # ----- rewind points for recurrent layers ---------------------------------------------
+    def save_point(self) -> int:
+        """Remember the non-truncatable layers here so a later rewind can return to this offset.
+
+        Cheap for hybrid models: attention KV truncates, so only the fixed-size recurrent
+        states (Gated DeltaNet, PLE) are kept. Returns the offset.
+        """
+        self._resolve()
+        offset = len(self._tokens)
+        self._save_points[offset] = [
+            None if layer.can_truncate else layer.snapshot() for layer in self.layers
+        ]
+        return offset
+
+    @property
+    def save_points(self) -> list[int]:
+        return sorted(self._save_points)
+
+    def drop_save_points(self, keep: int | None = None) -> None:
+        """Forget rewind points (all, or all but the latest `keep`)."""
+        if keep is None or keep <= 0:
+            self._save_points.clear()
+            return
+        for offset in self.save_points[:-keep]:
+            del self._save_points[offset]
+
+    def can_rewind_to(self, length: int) -> bool:
+        return 0 <= length <= self.offset and (
+            length == self.offset or self.can_truncate or length in self._save_points
+        )
 
     @property
     def can_truncate(self) -> bool:
         return all(layer.can_truncate for layer in self.layers)
 
     def rewind(self, n: int) -> None:
-        """Drop the last n tokens. Needs every layer to be truncatable."""
+        """Drop the last n tokens (recurrent layers need a save point at the target)."""
         self.truncate(self.offset - n)
 
     def truncate(self, length: int) -> None:
@@ -132,10 +198,17 @@ class SequenceState:
             raise RewindError(f"cannot truncate a {len(self._tokens)}-token sequence to {length}")
         if length == len(self._tokens):
             return
-        if not self.can_truncate:
+        point = self._save_points.get(length)
+        if not self.can_truncate and point is None:
             raise RewindError(
-                "this model has recurrent layers: rewinding needs a snapshot at the target position"
+                f"this model has recurrent layers: rewinding to {length} tokens needs a save "
+                f"point there (have: {self.save_points or 'none'})"
             )
-        for layer in self.layers:
-            layer.truncate(length)
+        for i, layer in enumerate(self.layers):
+            if layer.can_truncate:
+                layer.truncate(length)
+            else:
+                layer.restore(point[i])  # type: ignore[index]
         del self._tokens[length:]
+        for offset in [o for o in self._save_points if o > length]:
+            del self._save_points[offset]

@@ -1,0 +1,518 @@
+"""Admission: the memory a session needs, computed before anything is allocated.
+
+`memory_plan(config_or_model, context, **options)` lists every component in bytes from the
+config and the options alone (a config dict is enough: `qwen38 info MODEL --context N`):
+
+- weights: every parameter of the network as built for this config (built lazily: MLX does
+  not allocate until evaluation), in the weights dtype, quantized as the config says; an
+  engine Model counts its loaded parameters. Qwen3.8-Flash-Next's n-gram table is listed
+  separately as memory-mapped (it is read a few rows per token, never resident as a whole).
+- kv: K and V of every attention layer for the rows the store allocates: the contiguous store
+  grows in steps of 256 rows, the paged store in whole pages (growth simulated exactly over
+  the prefill chunks and decode steps), capped by `kv_pool_tokens` when set (the rest is
+  `kv_spill`, on disk).
+- kv_growth: the transient of the last growth (the old buffer lives until the copy is done).
+- quest_meta: per sealed page, per KV head, key min and max (paged store only).
+- recurrent: Gated DeltaNet state, fp32 [value heads, key dim, value dim] per layer, plus
+  the conv rows (kernel - 1) x conv channels in the state dtype.
+- indexer: QSA raw indexer keys per token and pooled keys per block of `compress_ratio`.
+- ple_state: PLE conv rows and n-gram context ids.
+- mtp_reserve: the MTP head's own KV (and indexer keys) over the context, when MTP is on.
+- scratch: one prefill chunk's activations (widest layer output, fp32), the attention scores
+  of one chunk against the whole context when attention is not fused (MLX on CPU), and the
+  last position's logits.
+
+`admit(plan, available)` raises AdmissionError "needs X bytes, has Y, short by Z".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .config import model_family, text_config
+from .errors import AdmissionError, InvalidOptionError
+
+PLAN_OPTIONS = frozenset(
+    {
+        "dtype",
+        "weights_dtype",
+        "kv_dtype",
+        "prefill_chunk",
+        "kv_paged",
+        "kv_page_tokens",
+        "kv_pool_tokens",
+        "kv_topk",
+        "kv_sinks",
+        "kv_recent",
+        "mtp",
+        "fused_attention",
+    }
+)
+
+_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "float16": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+}
+_MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+CONTIGUOUS_STEP = 256  # kv/contiguous.py ContiguousKV.step and QSA key buffers
+PAGED_MIN_GROW = 64  # kv/paged.py PagePool.min_grow_pages
+PAGED_DEFAULT_TOKENS = 32
+
+
+@dataclass
+class Component:
+    name: str
+    nbytes: int
+    where: str = "ram"  # "ram" (needed resident), "disk" (spill file), "mmap" (paged in)
+    detail: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """Per-component bytes for one sequence of `context` tokens."""
+
+    family: str
+    context: int
+    dtype: str
+    components: list[Component] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> int:
+        return sum(c.nbytes for c in self.components if c.name == name)
+
+    @property
+    def weights(self) -> int:
+        return self["weights"]
+
+    @property
+    def ram(self) -> int:
+        """Bytes that must be resident (weights included)."""
+        return sum(c.nbytes for c in self.components if c.where == "ram")
+
+    @property
+    def per_sequence(self) -> int:
+        """Resident bytes beyond the weights (what a session adds to a loaded model)."""
+        return self.ram - self.weights
+
+    @property
+    def disk(self) -> int:
+        return sum(c.nbytes for c in self.components if c.where == "disk")
+
+    def required(self, include_weights: bool = True) -> int:
+        return self.ram if include_weights else self.per_sequence
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "context": self.context,
+            "dtype": self.dtype,
+            "components": {c.name: {"bytes": c.nbytes, "where": c.where} for c in self.components},
+            "ram_bytes": self.ram,
+            "disk_bytes": self.disk,
+        }
+
+
+# ----- available memory -------------------------------------------------------------------------
+def available_memory() -> int | None:
+    """Bytes a new allocation can use now: GPU memory on Metal/CUDA, else available RAM."""
+    try:
+        if mx.metal.is_available():
+            info = mx.device_info()
+            total = int(info.get("max_recommended_working_set_size", info.get("memory_size", 0)))
+            return max(total - int(mx.get_active_memory()), 0) if total else None
+        if mx.cuda.is_available():
+            info = mx.device_info()
+            total = int(info.get("total_memory", info.get("memory_size", 0)) or 0)
+            free = info.get("free_memory")
+            if free is not None:
+                return int(free)
+            return max(total - int(mx.get_active_memory()), 0) if total else None
+    except (AttributeError, RuntimeError):
+        pass
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# ----- the plan ---------------------------------------------------------------------------------
+def _dtype_name(value: Any, default: str) -> str:
+    if value is None:
+        return default
+    if isinstance(value, mx.Dtype):
+        return str(value).replace("mlx.core.", "")
+    name = str(value).replace("torch.", "")
+    if name not in _BYTES:
+        raise InvalidOptionError(f"dtype {value!r} is not one of float32, float16, bfloat16")
+    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(name, name)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _contiguous_rows(schedule: list[int]) -> tuple[int, int]:
+    """(capacity rows, rows of the buffer replaced at the last growth) of a step-256 store."""
+    cap = length = last_old = 0
+    for n in schedule:
+        need = length + n
+        if need > cap:
+            last_old = length  # _reserve keeps keys[:length] alive while concatenating
+            cap += _ceil(need - cap, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
+        length = need
+    return cap, last_old
+
+
+def _paged_pages(schedule: list[int], page: int) -> tuple[int, int]:
+    """(capacity pages, pages before the last growth) of PagePool's x1.5 block growth."""
+    cap = length = last_old = 0
+    for n in schedule:
+        length += n
+        need = _ceil(length, page)
+        if need > cap:
+            last_old = cap
+            cap += max(need - cap, PAGED_MIN_GROW, cap // 2)
+    return cap, last_old
+
+
+def _schedule(context: int, chunk: int, prompt: int | None) -> list[int]:
+    """Appends a sequence sees: prefill chunks of the prompt, then one row per decode step."""
+    prompt = context if prompt is None else min(prompt, context)
+    out = [chunk] * (prompt // chunk)
+    if prompt % chunk:
+        out.append(prompt % chunk)
+    out += [1] * (context - prompt)
+    return out
+
+
+def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPlan:
+    """Bytes per component for one sequence of `context` tokens (see the module docstring).
+
+    config_or_model: an HF config dict, an engine Model, or a built network.
+    Options: dtype (state/activation dtype), weights_dtype, kv_dtype, prefill_chunk (512),
+    prompt_tokens (how many of the context are prefilled; default all), kv_paged,
+    kv_page_tokens (32), kv_pool_tokens (resident KV rows; the rest spills to disk),
+    mtp (default: on when the config has an MTP head), fused_attention (default: on GPU).
+    """
+    prompt_tokens = options.pop("prompt_tokens", None)
+    unknown = set(options) - PLAN_OPTIONS
+    if unknown:
+        raise InvalidOptionError(f"unknown memory plan option(s): {', '.join(sorted(unknown))}")
+    if not isinstance(context, int) or context <= 0:
+        raise InvalidOptionError(f"context must be a positive number of tokens, got {context!r}")
+
+    net = getattr(config_or_model, "net", None)
+    model_dtype = getattr(config_or_model, "dtype", None)
+    if isinstance(config_or_model, dict):
+        config = config_or_model
+    elif net is not None:
+        config = dict(getattr(getattr(config_or_model, "checkpoint", None), "config", {}) or {})
+    else:
+        net = config_or_model
+        config = {}
+    family = model_family(config) if config else _family_of(net)
+    tc = text_config(config) if config else {}
+    file_dtype = tc.get("dtype") or tc.get("torch_dtype") or config.get("torch_dtype")
+    default = _dtype_name(model_dtype, "") if model_dtype is not None else None
+    if not default:
+        default = _dtype_name(file_dtype, "bfloat16") if file_dtype in _BYTES else "bfloat16"
+    dtype = _dtype_name(options.get("dtype"), default)
+    wdtype = _dtype_name(options.get("weights_dtype"), dtype)
+    kvdtype = _dtype_name(options.get("kv_dtype"), dtype)
+    act = _BYTES[dtype]
+    kvb = _BYTES[kvdtype]
+
+    if net is None:
+        from .models import build_model
+
+        net = build_model(config)  # lazy: parameters are not allocated until evaluated
+        built = True
+    else:
+        built = False
+    cfg = net.config
+    plan = MemoryPlan(family=family, context=context, dtype=dtype)
+    add = plan.components.append
+
+    # --- weights
+    weight_bytes, table_bytes = _weight_bytes(net, config, wdtype if built else None)
+    add(
+        Component("weights", weight_bytes, "ram", "parameters" + (f" in {wdtype}" if built else ""))
+    )
+    if table_bytes:
+        add(Component("ngram_table", table_bytes, "mmap", "PLE n-gram table, memory-mapped"))
+
+    # --- layer inventory
+    n_layers = cfg.num_hidden_layers
+    types = list(getattr(cfg, "layer_types", ["full_attention"] * n_layers))
+    linear = [t == "linear_attention" for t in types]
+    n_attn = sum(1 for x in linear if not x)
+    n_lin = n_layers - n_attn
+    hkv, hd, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    per_token = n_attn * hkv * hd * 2 * kvb
+
+    chunk = int(options.get("prefill_chunk") or 512)
+    schedule = _schedule(context, chunk, prompt_tokens)
+    paged = (options.get("kv_paged") or "off") == "on"
+    pool_tokens = options.get("kv_pool_tokens")
+    if paged:
+        page = int(options.get("kv_page_tokens") or PAGED_DEFAULT_TOKENS)
+        pages, old_pages = _paged_pages(schedule, page)
+        rows, old_rows = pages * page, old_pages * page
+        how = f"paged, {page}-token pages, {pages} slots"
+    else:
+        rows, old_rows = _contiguous_rows(schedule)
+        how = f"contiguous, {rows} rows (steps of {CONTIGUOUS_STEP})"
+    spill_rows = 0
+    if pool_tokens is not None:
+        pool_tokens = int(pool_tokens)
+        if pool_tokens < context:
+            spill_rows = _ceil(context, 1) - pool_tokens
+        rows = min(rows, pool_tokens)
+        old_rows = min(old_rows, rows)
+    add(
+        Component(
+            "kv",
+            rows * per_token,
+            "ram",
+            f"{n_attn} attention layers x {hkv} kv heads x {hd} x 2 (K,V) x {kvb} B = "
+            f"{per_token:,} B/token; {how}",
+        )
+    )
+    add(
+        Component(
+            "kv_growth", old_rows * per_token, "ram", "old buffer alive during the last growth"
+        )
+    )
+    if spill_rows:
+        add(
+            Component(
+                "kv_spill", spill_rows * per_token, "disk", f"{spill_rows} rows beyond the pool"
+            )
+        )
+    if paged:
+        sealed = context // page
+        add(
+            Component(
+                "quest_meta",
+                sealed * n_attn * hkv * hd * 2 * 4,
+                "ram",
+                f"{sealed} sealed pages x {n_attn} layers x {hkv} heads x {hd} x (min,max) fp32",
+            )
+        )
+
+    # --- recurrent state
+    if n_lin:
+        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+        k = cfg.linear_conv_kernel_dim
+        rec = n_lin * hv * dk * dv * 4
+        conv = n_lin * (k - 1) * conv_dim * act
+        add(
+            Component(
+                "recurrent",
+                rec + conv,
+                "ram",
+                f"{n_lin} Gated DeltaNet layers x {hv} heads x {dk} x {dv} fp32 = {rec:,} B "
+                f"+ conv {n_lin} x {k - 1} x {conv_dim} x {act} B = {conv:,} B",
+            )
+        )
+
+    # --- QSA indexer keys
+    idx_dim = getattr(cfg, "indexer_head_dim", 0)
+    ratio = getattr(cfg, "indexer_compress_ratio", 0)
+    if idx_dim and ratio and family == "qwen4_exp":
+        raw_rows = _ceil(context, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
+        blocks = context // ratio
+        pooled_rows = _ceil(blocks, CONTIGUOUS_STEP) * CONTIGUOUS_STEP if blocks else 0
+        raw = n_attn * raw_rows * idx_dim * act
+        pooled = n_attn * pooled_rows * idx_dim * act
+        add(
+            Component(
+                "indexer",
+                raw + pooled,
+                "ram",
+                f"raw keys {n_attn} x {raw_rows} x {idx_dim} x {act} B = {raw:,} B; pooled "
+                f"{n_attn} x {pooled_rows} x {idx_dim} x {act} B = {pooled:,} B",
+            )
+        )
+
+    # --- PLE state
+    ple_ids = getattr(cfg, "ple_layer_ids", ())
+    if ple_ids:
+        width = cfg.hc_count * cfg.hidden_size
+        conv_len = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
+        ple = len(ple_ids) * (conv_len * width * 4 + (cfg.ngram_size - 1) * 8)
+        add(Component("ple_state", ple, "ram", f"{conv_len} conv rows x {width} fp32 + ids"))
+
+    # --- MTP reserve
+    n_mtp = int(getattr(cfg, "mtp_num_hidden_layers", 0) or 0)
+    mtp_on = options.get("mtp")
+    mtp_on = n_mtp > 0 if mtp_on is None else bool(mtp_on) and n_mtp > 0
+    if mtp_on:
+        mtp_kv = n_mtp * hkv * hd * 2 * kvb * rows
+        mtp_idx = 0
+        if idx_dim and ratio and family == "qwen4_exp":
+            raw_rows = _ceil(context, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
+            mtp_idx = n_mtp * (raw_rows + raw_rows // ratio) * idx_dim * act
+        add(Component("mtp_reserve", mtp_kv + mtp_idx, "ram", f"{n_mtp} MTP layer(s): own KV"))
+
+    # --- scratch
+    fused = options.get("fused_attention")
+    if fused is None:
+        fused = mx.default_device() != mx.cpu
+    t = min(chunk, context)
+    widths = [
+        cfg.hidden_size * getattr(cfg, "hc_count", 1),
+        2 * getattr(cfg, "intermediate_size", 0),
+        hq * hd * 2,
+    ]
+    if n_lin:
+        widths.append(conv_dim + 2 * hv * dv)
+    if getattr(cfg, "num_experts", 0):
+        widths.append(2 * cfg.moe_intermediate_size * cfg.num_experts_per_tok)
+    activ = t * (cfg.hidden_size + max(widths)) * 4 * 2  # input and output of the widest op
+    scores = 0 if fused else t * hq * context * 4
+    logits = cfg.vocab_size * 4
+    add(
+        Component(
+            "scratch",
+            activ + scores + logits,
+            "ram",
+            f"{t}-token chunk activations {activ:,} B + attention scores {scores:,} B "
+            f"({'fused' if fused else 'materialized'}) + logits {logits:,} B",
+        )
+    )
+    return plan
+
+
+def _family_of(net: Any) -> str:
+    name = type(net).__name__.lower()
+    return "qwen4_exp" if "qwen4" in name else "qwen3_5" if "qwen35" in name else "dense"
+
+
+def _weight_bytes(net: Any, config: dict, dtype: str | None) -> tuple[int, int]:
+    """(resident parameter bytes, memory-mapped n-gram table bytes)."""
+    from mlx.utils import tree_flatten
+
+    if dtype is not None:
+        quant = text_config(config).get("quantization") or config.get("quantization")
+        if isinstance(quant, dict) and "bits" in quant:
+            import mlx.nn as nn
+
+            gs, bits = int(quant.get("group_size", 64)), int(quant["bits"])
+
+            def predicate(_path: str, module: Any) -> bool:
+                w = getattr(module, "weight", None)
+                return hasattr(module, "to_quantized") and w is not None and w.shape[-1] % gs == 0
+
+            nn.quantize(net, group_size=gs, bits=bits, class_predicate=predicate)
+    total = 0
+    for _, p in tree_flatten(net.parameters()):
+        if dtype is not None and p.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            total += p.size * _BYTES[dtype]
+        else:
+            total += p.nbytes
+    table = 0
+    for _, module in net.named_modules():
+        emb = getattr(module, "ple_embedding", None)
+        if emb is None:
+            continue
+        attached = getattr(emb, "table", None)
+        if attached is not None and getattr(attached, "shards", None):
+            table += sum(int(getattr(s, "nbytes", 0)) for s in attached.shards)
+        else:
+            table += int(emb.padded_rows) * int(emb.head_dim) * _BYTES[dtype or "bfloat16"]
+    return total, table
+
+
+# ----- admission and printing -------------------------------------------------------------------
+def admit(plan: MemoryPlan, available: int | None = None, include_weights: bool = True) -> None:
+    """Raise AdmissionError when the plan's resident bytes exceed `available` (default: OS)."""
+    if available is None:
+        available = available_memory()
+        if available is None:
+            return
+    need = plan.required(include_weights)
+    if need > available:
+        biggest = sorted(
+            (
+                c
+                for c in plan.components
+                if c.where == "ram" and (include_weights or c.name != "weights")
+            ),
+            key=lambda c: -c.nbytes,
+        )[:3]
+        parts = ", ".join(f"{c.name} {c.nbytes:,}" for c in biggest)
+        raise AdmissionError(
+            f"a {plan.context:,}-token context needs {need:,} bytes, has {available:,}, short by "
+            f"{need - available:,} bytes (largest: {parts}); use a shorter context, a smaller "
+            "KV pool (kv_pool_tokens) or a smaller model"
+        )
+
+
+def check_admission(
+    config_or_model: Any, context: int, available: int | None = None, **options: Any
+) -> MemoryPlan:
+    """memory_plan + admit in one call; returns the plan when it fits."""
+    plan = memory_plan(config_or_model, context, **options)
+    admit(plan, available)
+    return plan
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def format_plan(plan: MemoryPlan, available: int | None = None) -> str:
+    """The plan as a table: every component in bytes (and human units), then the totals."""
+    lines = [f"memory plan: {plan.family}, {plan.context:,} tokens, {plan.dtype}"]
+    width = max(len(c.name) for c in plan.components)
+    for c in plan.components:
+        lines.append(
+            f"  {c.name:<{width}}  {c.nbytes:>18,} bytes  {_human(c.nbytes):>10}  {c.where:<4}  "
+            f"{c.detail}"
+        )
+    lines.append(f"  {'total RAM':<{width}}  {plan.ram:>18,} bytes  {_human(plan.ram):>10}")
+    if plan.disk:
+        lines.append(f"  {'total disk':<{width}}  {plan.disk:>18,} bytes  {_human(plan.disk):>10}")
+    if available is not None:
+        verdict = "fits" if plan.ram <= available else f"short by {plan.ram - available:,} bytes"
+        lines.append(
+            f"  {'available':<{width}}  {available:>18,} bytes  {_human(available):>10}  {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def kv_bytes_per_token(config_or_model: Any, dtype: str = "bfloat16") -> int:
+    """K+V bytes one token adds across the attention layers."""
+    plan = memory_plan(config_or_model, CONTIGUOUS_STEP, dtype=dtype, mtp=False)
+    return plan["kv"] // CONTIGUOUS_STEP
+
+
+__all__ = [
+    "Component",
+    "MemoryPlan",
+    "admit",
+    "available_memory",
+    "check_admission",
+    "format_plan",
+    "kv_bytes_per_token",
+    "memory_plan",
+]

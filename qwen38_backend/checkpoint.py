@@ -1,0 +1,420 @@
+"""On-disk checkpoints of a SequenceState: safetensors tensors plus a verified JSON header.
+
+File layout: a valid safetensors file (8-byte header length, JSON table, tensor bytes), so
+any safetensors reader can open it. The checkpoint's own header travels in the table's
+`__metadata__` under "qwen38_checkpoint" (a JSON string): format name and version, model
+fingerprint, compute dtype, token ids, per-layer state kinds, JSON extras, and for every
+tensor its dtype, shape, byte count and sha256, plus a sha256 of the header itself.
+
+Tensors are only the live rows each layer's `snapshot()` returns (no empty pool slots, no
+capacity padding). Writes go to a temp file in the same directory, are fsynced, then renamed
+(and the directory fsynced): a crash or a full disk leaves the old file or nothing, never a
+partial one. Loads verify everything (header, sizes, checksums, fingerprint, kinds) before
+any tensor reaches a live SequenceState.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .errors import CheckpointError
+from .state import SequenceState, StateSnapshot
+
+FORMAT = "qwen38-checkpoint"
+FORMAT_VERSION = 1
+META_KEY = "qwen38_checkpoint"
+SUFFIX = ".ckpt.safetensors"  # any safetensors reader can open it
+_MAX_HEADER = 256 * 1024 * 1024  # token ids of a 262K context fit easily; refuse absurd sizes
+
+# mx dtype <-> safetensors name <-> numpy dtype used to carry the raw bytes
+_DTYPES: dict[Any, tuple[str, Any]] = {
+    mx.float32: ("F32", np.float32),
+    mx.float16: ("F16", np.float16),
+    mx.bfloat16: ("BF16", np.uint16),  # numpy has no bf16: carry the bits as uint16
+    mx.float64: ("F64", np.float64),
+    mx.int64: ("I64", np.int64),
+    mx.int32: ("I32", np.int32),
+    mx.int16: ("I16", np.int16),
+    mx.int8: ("I8", np.int8),
+    mx.uint64: ("U64", np.uint64),
+    mx.uint32: ("U32", np.uint32),
+    mx.uint16: ("U16", np.uint16),
+    mx.uint8: ("U8", np.uint8),
+    mx.bool_: ("BOOL", np.bool_),
+}
+_BY_NAME = {name: (dt, np_dt) for dt, (name, np_dt) in _DTYPES.items()}
+
+
+# ----- model fingerprint ----------------------------------------------------------------------
+def model_fingerprint(model: Any) -> str:
+    """A hash of what makes two models compute the same states.
+
+    Covers the config, every parameter's name, shape and dtype (so the compute dtype and the
+    quantization are in it), and a cheap content sample: the first and last 8 values of every
+    parameter, so two checkpoints with equal shapes but different weights differ. Accepts an
+    engine `Model` (cached on it) or a bare network module.
+    """
+    cached = getattr(model, "_qwen38_fingerprint", None)
+    if isinstance(cached, str):
+        return cached
+    net = getattr(model, "net", model)
+    config = getattr(net, "config", None)
+    h = hashlib.sha256(b"qwen38-fingerprint-v1\n")
+    h.update(_config_bytes(config))
+    params = sorted(tree_flatten(net.parameters()), key=lambda kv: kv[0])
+    samples = []
+    for name, p in params:
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+        flat = p.reshape(-1)
+        samples.append(mx.concatenate([flat[:8], flat[-8:]]) if flat.size > 16 else flat)
+    mx.eval(samples)
+    for s in samples:
+        h.update(_raw_bytes(s))
+    digest = h.hexdigest()
+    if hasattr(model, "net"):  # an engine Model: cache (weights do not change after loading)
+        model._qwen38_fingerprint = digest
+    return digest
+
+
+def _config_bytes(config: Any) -> bytes:
+    if config is None:
+        return b"{}"
+    if hasattr(config, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        config = asdict(config)
+    return json.dumps(config, sort_keys=True, default=str).encode()
+
+
+def _dtype_name(model: Any) -> str:
+    dtype = getattr(model, "dtype", None)
+    return str(dtype) if dtype is not None else "unknown"
+
+
+# ----- bytes of arrays ------------------------------------------------------------------------
+def _raw_bytes(a: mx.array) -> bytes | memoryview:
+    if a.dtype not in _DTYPES:
+        raise CheckpointError(f"cannot store an array of dtype {a.dtype} in a checkpoint")
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    arr = np.ascontiguousarray(np.asarray(a))
+    return memoryview(arr).cast("B") if arr.size else b""
+
+
+def _from_bytes(data: bytes, st_dtype: str, shape: list[int]) -> mx.array:
+    dt, np_dt = _BY_NAME[st_dtype]
+    arr = np.frombuffer(data, dtype=np_dt).reshape(shape)
+    out = mx.array(arr)
+    return out.view(mx.bfloat16) if dt == mx.bfloat16 else out
+
+
+# ----- write ----------------------------------------------------------------------------------
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint file holds (from its header; nothing is loaded)."""
+
+    path: Path
+    model_fingerprint: str
+    n_tokens: int
+    nbytes: int  # file size
+    created: float
+    dtype: str
+    kinds: list[str]
+    tokens: list[int]
+
+
+def _flatten(snap: StateSnapshot) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    tensors: dict[str, mx.array] = {}
+    for i, layer in enumerate(snap.layers):
+        for key, value in layer.items():
+            tensors[f"layers.{i}.{key}"] = value
+    extras_json: dict[str, Any] = {}
+    for key, value in snap.extras.items():
+        if isinstance(value, mx.array):
+            tensors[f"extras.{key}"] = value
+        else:
+            try:
+                json.dumps(value)
+            except TypeError:
+                continue  # not portable (e.g. a callable): a restored state rebuilds it
+            extras_json[key] = value
+    return tensors, extras_json
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            n = os.write(fd, view[: 1 << 30])
+        except InterruptedError:
+            continue
+        if n == 0:
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        view = view[n:]
+
+
+def save_checkpoint(
+    path: str | Path, state: SequenceState | StateSnapshot, model: Any
+) -> CheckpointInfo:
+    """Write `state` (or a snapshot of it) to `path` atomically; returns the header info.
+
+    Raises CheckpointError (with the OS reason, e.g. "No space left on device") when the file
+    cannot be written; the destination is then untouched and no temp file is left behind.
+    """
+    path = Path(path)
+    snap = state.snapshot() if isinstance(state, SequenceState) else state
+    tensors, extras_json = _flatten(snap)
+    mx.eval(list(tensors.values()))
+    table: dict[str, Any] = {}
+    entries: dict[str, Any] = {}
+    blobs: list[bytes | memoryview] = []
+    offset = 0
+    for name in sorted(tensors):
+        a = tensors[name]
+        st_name = _DTYPES.get(a.dtype, (None,))[0]
+        if st_name is None:
+            raise CheckpointError(f"tensor {name}: dtype {a.dtype} cannot be stored")
+        raw = _raw_bytes(a)
+        n = len(raw)
+        table[name] = {
+            "dtype": st_name,
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        entries[name] = {
+            "dtype": st_name,
+            "shape": list(a.shape),
+            "nbytes": n,
+            "sha256": hashlib.sha256(raw).hexdigest(),
+        }
+        blobs.append(raw)
+        offset += n
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "model_fingerprint": model_fingerprint(model),
+        "dtype": _dtype_name(model),
+        "n_tokens": len(snap.tokens),
+        "tokens": [int(t) for t in snap.tokens],
+        "n_layers": len(snap.layers),
+        "kinds": list(snap.kinds) if snap.kinds is not None else None,
+        "extras": extras_json,
+        "tensors": entries,
+        "created": time.time(),
+    }
+    meta["header_sha256"] = _header_digest(meta)
+    table["__metadata__"] = {META_KEY: json.dumps(meta, separators=(",", ":"))}
+    header = json.dumps(table, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors aligns the data start to 8 bytes
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    fd = -1
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _write_all(fd, struct.pack("<Q", len(header)))
+        _write_all(fd, header)
+        for blob in blobs:
+            _write_all(fd, blob)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror or str(e)
+        raise CheckpointError(f"could not write checkpoint {path}: {reason}") from e
+    return CheckpointInfo(
+        path=path,
+        model_fingerprint=meta["model_fingerprint"],
+        n_tokens=meta["n_tokens"],
+        nbytes=8 + len(header) + offset,
+        created=meta["created"],
+        dtype=meta["dtype"],
+        kinds=meta["kinds"] or [],
+        tokens=meta["tokens"],
+    )
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not supported everywhere (e.g. Windows); the rename itself is atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _header_digest(meta: dict[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != "header_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# ----- read -----------------------------------------------------------------------------------
+def _read_table(f, path: Path, size: int) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """(safetensors table, checkpoint meta, data start), all checked for consistency."""
+    if size < 8:
+        raise CheckpointError(f"checkpoint {path} is truncated: {size} bytes, no header")
+    (hlen,) = struct.unpack("<Q", f.read(8))
+    if hlen > _MAX_HEADER or 8 + hlen > size:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or corrupt: header of {hlen} bytes in a "
+            f"{size}-byte file"
+        )
+    try:
+        table = json.loads(f.read(hlen))
+        meta = json.loads(table["__metadata__"][META_KEY])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{path} is not a qwen38 checkpoint or its header is corrupt ({e})"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a qwen38 checkpoint (format {meta.get('format')!r})")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {meta.get('version')!r}; this build reads "
+            f"version {FORMAT_VERSION} (delete it or re-create it with this version)"
+        )
+    if meta.get("header_sha256") != _header_digest(meta):
+        raise CheckpointError(f"checkpoint {path}: header checksum mismatch (corrupt header)")
+    return table, meta, 8 + hlen
+
+
+def read_header(path: str | Path) -> CheckpointInfo:
+    """Header info of a checkpoint file (verified header; tensors not read)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            _, meta, _ = _read_table(f, path, size)
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from e
+    return CheckpointInfo(
+        path=path,
+        model_fingerprint=meta["model_fingerprint"],
+        n_tokens=int(meta["n_tokens"]),
+        nbytes=size,
+        created=float(meta.get("created", 0.0)),
+        dtype=str(meta.get("dtype")),
+        kinds=list(meta.get("kinds") or []),
+        tokens=[int(t) for t in meta["tokens"]],
+    )
+
+
+def load_checkpoint(path: str | Path, model: Any) -> StateSnapshot:
+    """Read and verify a checkpoint for `model`; returns a snapshot ready for restore().
+
+    Refuses (CheckpointError, saying which check failed) a file that is truncated, corrupt
+    (any tensor's bytes or the header), from another format version, or written by another
+    model or compute dtype. Nothing is restored here, so a refusal cannot damage a session.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        f = open(path, "rb")
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from e
+    with f:
+        table, meta, start = _read_table(f, path, size)
+        want = model_fingerprint(model)
+        if meta["model_fingerprint"] != want:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a different model (fingerprint "
+                f"{meta['model_fingerprint'][:16]}..., this model {want[:16]}...)"
+            )
+        if meta.get("dtype") != _dtype_name(model):
+            raise CheckpointError(
+                f"checkpoint {path} holds {meta.get('dtype')} state; this model computes in "
+                f"{_dtype_name(model)}"
+            )
+        entries: dict[str, Any] = meta["tensors"]
+        names = sorted(k for k in table if k != "__metadata__")
+        if names != sorted(entries):
+            raise CheckpointError(f"checkpoint {path}: tensor table and header disagree")
+        expected_end = start + sum(int(e["nbytes"]) for e in entries.values())
+        if size != expected_end:
+            raise CheckpointError(
+                f"checkpoint {path} is truncated or padded: {size} bytes, header describes "
+                f"{expected_end}"
+            )
+        tensors: dict[str, mx.array] = {}
+        for name in names:
+            entry, slot = entries[name], table[name]
+            begin, end = slot["data_offsets"]
+            n = int(entry["nbytes"])
+            if (
+                end - begin != n
+                or slot["dtype"] != entry["dtype"]
+                or slot["shape"] != entry["shape"]
+                or entry["dtype"] not in _BY_NAME
+            ):
+                raise CheckpointError(f"checkpoint {path}: tensor {name} header is inconsistent")
+            f.seek(start + begin)
+            data = f.read(n)
+            if len(data) != n:
+                raise CheckpointError(f"checkpoint {path} is truncated inside tensor {name}")
+            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint {path}: tensor {name} fails its checksum (corrupt data)"
+                )
+            try:
+                tensors[name] = _from_bytes(data, entry["dtype"], entry["shape"])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {path}: tensor {name}: {e}") from None
+    n_layers = int(meta["n_layers"])
+    layers: list[dict[str, mx.array]] = [{} for _ in range(n_layers)]
+    extras: dict[str, Any] = dict(meta.get("extras") or {})
+    for name, value in tensors.items():
+        if name.startswith("extras."):
+            extras[name[len("extras.") :]] = value
+            continue
+        _, index, key = name.split(".", 2)
+        if not 0 <= int(index) < n_layers:
+            raise CheckpointError(f"checkpoint {path}: tensor {name} names a missing layer")
+        layers[int(index)][key] = value
+    tokens = [int(t) for t in meta["tokens"]]
+    if len(tokens) != int(meta["n_tokens"]):
+        raise CheckpointError(f"checkpoint {path}: token count disagrees with its header")
+    return StateSnapshot(tokens=tokens, layers=layers, extras=extras, kinds=meta.get("kinds"))
+
+
+def check_compatible(snap: StateSnapshot, state: SequenceState, where: str = "checkpoint") -> None:
+    """Refuse a snapshot whose layers do not match `state` (layer count and state kinds)."""
+    if len(snap.layers) != len(state.layers):
+        raise CheckpointError(
+            f"{where} has {len(snap.layers)} layers; this model's state has {len(state.layers)}"
+        )
+    kinds = state.kinds()
+    if snap.kinds is not None and list(snap.kinds) != kinds:
+        bad = next(i for i, (a, b) in enumerate(zip(snap.kinds, kinds, strict=False)) if a != b)
+        raise CheckpointError(
+            f"{where}: layer {bad} holds {snap.kinds[bad]} state; this session uses {kinds[bad]} "
+            "(different state format or KV options)"
+        )
+
+
+def restore_checkpoint(path: str | Path, model: Any, state: SequenceState) -> StateSnapshot:
+    """Load, verify, then restore into `state` (restored only once every check passed)."""
+    snap = load_checkpoint(path, model)
+    check_compatible(snap, state, f"checkpoint {path}")
+    state.restore(snap)
+    return snap
