@@ -74,7 +74,10 @@ def export_for_mlx_lm(model, directory: Path) -> Path:
     """Write the loaded checkpoint in the MLX/HF layout mlx-lm reads (same tensors, fp32)."""
     import json
 
-    ckpt = model.checkpoint
+    from qwen38_backend.loading import read_checkpoint
+
+    # the loaded model consumed its checkpoint's tensors: read them again (lazily)
+    ckpt = read_checkpoint(model.checkpoint.source, tokenizer=False)
     weights = {
         k: (v.astype(mx.float32) if v.dtype in (mx.float16, mx.bfloat16) else v)
         for k, v in ckpt.weights.items()

@@ -86,10 +86,13 @@ def load_into(
 ) -> None:
     """Validate names and shapes against the model, quantize the named modules, load, cast.
 
+    Consumes `weights` (the dict is emptied): each tensor is cast and evaluated on its own and
+    its source dropped, so peak memory stays near the loaded model's size, not source + copy.
     dequantize: None picks `should_dequantize` (CPU and small enough); True / False force it.
     """
     if dequantize is None:
         dequantize = should_dequantize(weights, quantization, dtype)
+    source = weights
     if dequantize and quantization:
         weights, quantization = dequantize_all(weights, quantization, dtype), {}
     weights = net.sanitize(dict(weights))
@@ -97,12 +100,15 @@ def load_into(
         _quantize(net, quantization)
     expected = dict(tree_flatten(net.parameters()))
     _check(expected, weights)
-    cast = {
-        name: (w.astype(dtype) if w.dtype in _FLOAT_TYPES and w.dtype != dtype else w)
-        for name, w in weights.items()
-    }
-    net.update(tree_unflatten(list(cast.items())))
-    mx.eval(net.parameters())
+    source.clear()
+    loaded = []
+    for name in list(weights):
+        w = weights.pop(name)
+        if w.dtype in _FLOAT_TYPES and w.dtype != dtype:
+            w = w.astype(dtype)
+        mx.eval(w)
+        loaded.append((name, w))
+    net.update(tree_unflatten(loaded))
 
 
 def _quantize(net: nn.Module, quantization: dict[str, tuple[int, int]]) -> None:
