@@ -476,3 +476,29 @@ def test_real_shape_flash_next_4_layers_decodes(tmp_path):
     )
     out = list(m.generate_tokens([248045, 100, 200, 248044, 300, 400], max_tokens=4))
     assert len(out) == 4 and all(0 <= t < cfg.vocab_size for t in out)
+
+
+@pytest.mark.parametrize("T", (3, 40))  # decode gather and prefill grouped paths
+def test_quantized_experts_match_their_dequantized_weights(T):
+    from qwen38_backend.models.moe import Experts
+
+    rng = np.random.default_rng(3)
+    e = Experts(8, 64, 32)
+    e.update(
+        {
+            "gate_up_proj": mx.array(rng.standard_normal((8, 64, 64)).astype(np.float32)),
+            "down_proj": mx.array(rng.standard_normal((8, 64, 32)).astype(np.float32)),
+        }
+    )
+    q = e.to_quantized(group_size=32, bits=8)
+    deq = Experts(8, 64, 32)
+    deq.update(
+        {
+            n: mx.dequantize(q[n]["weight"], q[n]["scales"], q[n]["biases"], 32, 8)
+            for n in ("gate_up_proj", "down_proj")
+        }
+    )
+    x = mx.array(rng.standard_normal((T, 64)).astype(np.float32))
+    inds = mx.array(rng.integers(0, 8, (T, 2)).astype(np.uint32))
+    a, b = np.array(q(x, inds)), np.array(deq(x, inds))
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max() + 1e-3
