@@ -112,12 +112,12 @@ class Model:
 
     def _eos_ids(self) -> list[int]:
         ids = self.generation_config.get("eos_token_id")
+        tokenizer_ids = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
         if ids is None:
-            ids = getattr(self.tokenizer, "eos_token_ids", [])
+            ids = tokenizer_ids
         if isinstance(ids, int):
             ids = [ids]
-        merged = list(dict.fromkeys(int(i) for i in list(ids) + list(self.tokenizer.eos_token_ids)))
-        return merged
+        return list(dict.fromkeys(int(i) for i in list(ids) + tokenizer_ids))
 
     # ----- forward passes -----------------------------------------------------------------
     def new_state(self, **kv_options) -> SequenceState:

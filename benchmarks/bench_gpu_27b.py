@@ -1,0 +1,245 @@
+"""Qwen3.8-27B dimensions with random weights, generated on the device: ours vs mlx-lm.
+
+    python benchmarks/bench_gpu_27b.py --layers 64 --lengths 4096,32768 --decode 32 \
+        --runs 3 --out bench_gpu_27b.json
+
+Weights are drawn on the device per tensor name (same seed, same weights in every process),
+so no 54 GB checkpoint has to be written or shipped. Each engine runs in its own subprocess.
+Reports prefill and decode tokens/s (medians), bytes a decoded token reads (weights + KV at
+that depth + Gated DeltaNet state), achieved bandwidth and its fraction of the bound.
+`--dims tiny --layers 4` smoke-tests the script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def config_and_shapes(dims: str, layers: int) -> tuple[dict, list]:
+    from qwen38_backend.testing.tiny_qwen3_5 import tensor_shapes, text_config
+
+    tc = text_config(dims, layers)
+    tc["mtp_num_hidden_layers"] = 0
+    config = {"model_type": "qwen3_5", "text_config": tc, "tie_word_embeddings": False}
+    return config, tensor_shapes(tc, with_mtp=False)
+
+
+def random_weights(shapes: list, dtype, seed: int = 0) -> dict:
+    """Device-side random tensors with sane scales (no inf/NaN through 64 layers)."""
+    import mlx.core as mx
+
+    out = {}
+    for name, shape in shapes:
+        key = mx.random.key(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("A_log"):
+            w = mx.log(mx.random.uniform(1.0, 16.0, shape, key=key))
+        elif name.endswith("dt_bias"):
+            w = mx.random.uniform(-0.5, 0.5, shape, key=key)
+        elif "norm" in name:
+            w = 0.05 * mx.random.normal(shape, key=key)
+        else:
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            w = mx.random.normal(shape, key=key) * (fan_in**-0.5)
+        out[name] = w.astype(dtype)
+        mx.eval(out[name])
+    return out
+
+
+def prompt(length: int, vocab: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(0).integers(vocab // 100, vocab // 2, size=length).tolist()
+
+
+def bytes_per_token(config: dict, weights_bytes: int, depth: int, kv_itemsize: int) -> int:
+    tc = config["text_config"]
+    attn = sum(1 for t in tc["layer_types"] if t == "full_attention")
+    gdn = len(tc["layer_types"]) - attn
+    kv = attn * 2 * tc["num_key_value_heads"] * tc["head_dim"] * kv_itemsize * depth
+    state = (
+        gdn
+        * tc["linear_num_value_heads"]
+        * tc["linear_key_head_dim"]
+        * tc["linear_value_head_dim"]
+        * 4
+        * 2
+    )  # fp32 state read + written
+    # the embedding is looked up one row per token, not read whole
+    embed = tc["vocab_size"] * tc["hidden_size"] * kv_itemsize
+    return weights_bytes - embed + embed // tc["vocab_size"] + kv + state
+
+
+def _median(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "runs": values}
+
+
+# ----- workers ---------------------------------------------------------------------------------
+def worker_ours(args) -> dict:
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    from qwen38_backend.engine import Model
+    from qwen38_backend.loading import Checkpoint
+    from qwen38_backend.models import build_model
+    from qwen38_backend.sampling import SamplingParams
+
+    dtype = getattr(mx, args.dtype)
+    config, shapes = config_and_shapes(args.dims, args.layers)
+    net = build_model(config)
+    weights = net.sanitize(random_weights(shapes, dtype))
+    nbytes = sum(w.nbytes for w in weights.values())
+    net.update(tree_unflatten(list(weights.items())))
+    del weights
+    ckpt = Checkpoint(
+        config=config, weights={}, quantization={}, generation_config={"eos_token_id": []}
+    )
+    model = Model(net, ckpt, dtype, name="27b-random")
+    result = {"weights_bytes": nbytes, "lengths": {}}
+    for length in args.lengths:
+        ids = prompt(length, config["text_config"]["vocab_size"])
+        pre, dec = [], []
+        for _ in range(args.runs):
+            state = model.new_state()
+            mx.synchronize()
+            t = time.perf_counter()
+            logits = model.prefill(ids, state, chunk=args.chunk)
+            mx.eval(logits)
+            mx.synchronize()
+            pre.append(length / (time.perf_counter() - t))
+            stream = model.run(
+                [int(mx.argmax(logits).item())],
+                state,
+                SamplingParams(max_tokens=args.decode, stop_token_ids=[]),
+            )
+            for _ in stream:
+                pass
+            dec.append(stream.stats.decode_tokens_per_second)
+            del state
+            mx.clear_cache()
+        result["lengths"][str(length)] = {
+            "prefill_tok_s": _median(pre),
+            "decode_tok_s": _median(dec),
+            "peak_memory_bytes": mx.get_peak_memory(),
+        }
+    return result
+
+
+def worker_mlx_lm(args) -> dict:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import qwen3_5
+
+    dtype = getattr(mx, args.dtype)
+    config, shapes = config_and_shapes(args.dims, args.layers)
+    model_args = qwen3_5.ModelArgs.from_dict(config)
+    model = qwen3_5.Model(model_args)
+    weights = model.sanitize(random_weights(shapes, dtype))
+    model.load_weights(list(weights.items()), strict=False)
+    del weights
+    mx.eval(model.parameters())
+    result = {"lengths": {}}
+    for length in args.lengths:
+        ids = mx.array(prompt(length, config["text_config"]["vocab_size"]))
+        pre, dec = [], []
+        for _ in range(args.runs):
+            t = time.perf_counter()
+            gen = generate_step(ids, model, max_tokens=args.decode)
+            next(gen)
+            t1 = time.perf_counter()
+            pre.append(length / (t1 - t))
+            n = sum(1 for _ in gen)
+            dec.append(n / (time.perf_counter() - t1))
+            mx.clear_cache()
+        result["lengths"][str(length)] = {
+            "prefill_tok_s": _median(pre),
+            "decode_tok_s": _median(dec),
+        }
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--lengths", default="4096,32768")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=4096, help="our prefill chunk")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--peer", choices=["mlx-lm", "none"], default="mlx-lm")
+    ap.add_argument("--bound-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    ap.add_argument("--worker", choices=["ours", "mlx-lm"], default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in str(args.lengths).split(",")]
+
+    if args.worker:
+        fn = worker_ours if args.worker == "ours" else worker_mlx_lm
+        print(json.dumps(fn(args)))
+        return
+
+    def spawn(which: str) -> dict:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which]
+        for k in ("dims", "layers", "decode", "runs", "chunk", "dtype"):
+            cmd += [f"--{k}", str(getattr(args, k))]
+        cmd += ["--lengths", ",".join(map(str, args.lengths))]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            return {"error": out.stderr[-3000:]}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    import mlx.core as mx
+
+    config, _ = config_and_shapes(args.dims, args.layers)
+    result = {
+        "benchmark": "27b-dims random weights",
+        "dims": args.dims,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "bound_bytes_s": args.bound_gbps * 1e9,
+    }
+    result["ours"] = spawn("ours")
+    if args.peer == "mlx-lm":
+        result["mlx_lm"] = spawn("mlx-lm")
+    itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
+    for length in args.lengths:
+        key = str(length)
+        ours = result["ours"].get("lengths", {}).get(key)
+        if not ours:
+            continue
+        per_token = bytes_per_token(
+            config, result["ours"]["weights_bytes"], length + args.decode // 2, itemsize
+        )
+        for name in ("ours", "mlx_lm"):
+            entry = result.get(name, {}).get("lengths", {}).get(key)
+            if entry:
+                rate = entry["decode_tok_s"]["median"]
+                entry["bytes_per_token"] = per_token
+                entry["fraction_of_bound"] = per_token * rate / result["bound_bytes_s"]
+        peer = result.get("mlx_lm", {}).get("lengths", {}).get(key)
+        if peer:
+            ours["prefill_ratio_vs_mlx_lm"] = (
+                ours["prefill_tok_s"]["median"] / peer["prefill_tok_s"]["median"]
+            )
+            ours["decode_ratio_vs_mlx_lm"] = (
+                ours["decode_tok_s"]["median"] / peer["decode_tok_s"]["median"]
+            )
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
