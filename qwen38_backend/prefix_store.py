@@ -236,10 +236,18 @@ class PrefixStore:
             if header is None:
                 continue
             info, tokens = header
-            if info.model_fingerprint != fingerprint or (
-                kinds is not None and info.kinds and info.kinds != kinds
-            ):
+            if info.model_fingerprint != fingerprint:
+                # a foreign file under this model's directory: refuse it loudly, once
+                self._refuse(
+                    path,
+                    CheckpointError(
+                        f"checkpoint {path} was written by a different model (fingerprint "
+                        f"{info.model_fingerprint[:16]}..., this model {fingerprint[:16]}...)"
+                    ),
+                )
                 continue
+            if kinds is not None and info.kinds and info.kinds != kinds:
+                continue  # another KV layout of the same model: valid, just not for this state
             key = path.name[: -len(SUFFIX)].partition("-")[2]
             if best is not None and best.tier == "memory" and best.key == key:
                 continue  # the same state is already in memory: no I/O

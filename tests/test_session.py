@@ -1,0 +1,223 @@
+"""Sessions: multi-turn prefix reuse (live state and prefix store), refusals, disk full."""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+from helpers import dense_fixture
+
+import qwen38_backend
+from qwen38_backend.checkpoint import SUFFIX
+from qwen38_backend.prefix_store import CheckpointWarning, PrefixStore, common_prefix
+
+GREEDY = dict(max_tokens=12, enable_thinking=False)
+TURNS = ["hello there, how are you today?", "tell me about the weather", "and in Paris?"]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return qwen38_backend.load(str(dense_fixture("qwen3", tmp_path_factory.mktemp("d"))))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    from qwen38_backend.testing import make_tiny_checkpoint
+
+    return qwen38_backend.load(
+        str(make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("q"), seed=0))
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen4_exp(tmp_path_factory):
+    from qwen38_backend.testing import make_tiny_checkpoint
+
+    return qwen38_backend.load(
+        str(make_tiny_checkpoint("qwen4_exp", tmp_path_factory.mktemp("x"), seed=0))
+    )
+
+
+def _turn(session, msgs, **options):
+    events = list(session.generate(msgs, **{**GREEDY, **options}))
+    text = "".join(e.text for e in events if e.type in ("text", "reasoning"))
+    return text, events[-1]
+
+
+def _chat(model, store, turns=TURNS):
+    """Three turns; per turn: (text, usage, prompt ids, live tokens before the turn)."""
+    session = model.session(cache=store)
+    msgs, out = [], []
+    for content in turns:
+        msgs.append({"role": "user", "content": content})
+        before = session.state.tokens if session.state is not None else []
+        ids, _ = session.render(msgs, enable_thinking=False)
+        text, done = _turn(session, msgs)
+        out.append((text, done.usage, ids, before))
+        msgs.append({"role": "assistant", "content": text})
+    return out
+
+
+def _recomputed(model, turns=TURNS):
+    session = model.session(cache=False)
+    msgs, texts = [], []
+    for content in turns:
+        msgs.append({"role": "user", "content": content})
+        text, done = _turn(session, msgs)
+        assert done.usage["cached"] == 0
+        texts.append(text)
+        msgs.append({"role": "assistant", "content": text})
+    return texts
+
+
+def test_multi_turn_dense_reuses_the_common_prefix(dense, tmp_path):
+    turns = _chat(dense, PrefixStore(tmp_path / "store"))
+    assert turns[0][1]["cached"] == 0
+    for _text, usage, ids, before in turns[1:]:
+        shared = common_prefix_len(before, ids)
+        assert usage["cached"] > 0
+        assert usage["cached"] == min(shared, len(ids) - 1)  # attention state: cut anywhere
+        assert usage["prompt"] == len(ids)
+    assert [t[0] for t in turns] == _recomputed(dense)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen4_exp"])
+def test_multi_turn_recurrent_reuses_the_message_boundary(name, request, tmp_path):
+    model = request.getfixturevalue(name)
+    store = PrefixStore(tmp_path / "store")
+    turns = _chat(model, store)
+    session = model.session(cache=False)
+    msgs = []
+    for i, (text, usage, ids, before) in enumerate(turns):
+        msgs.append({"role": "user", "content": TURNS[i]})
+        if i:
+            # recurrent layers cannot be cut: reuse ends at the last message boundary of the
+            # previous turn (the end of its last user message), which prefixes this prompt
+            prev_msgs = msgs[: 2 * i - 1]
+            boundary = session.message_boundary(prev_msgs, turns[i - 1][2], enable_thinking=False)
+            assert 0 < boundary <= common_prefix_len(before, ids)
+            assert usage["cached"] == boundary
+        msgs.append({"role": "assistant", "content": text})
+    assert [t[0] for t in turns] == _recomputed(model)
+
+
+def test_fresh_session_resumes_from_disk(dense, qwen3_5, tmp_path):
+    for model in (dense, qwen3_5):
+        directory = tmp_path / type(model.net).__name__
+        first = _chat(model, PrefixStore(directory), TURNS[:2])
+        msgs = [
+            {"role": "user", "content": TURNS[0]},
+            {"role": "assistant", "content": first[0][0]},
+            {"role": "user", "content": TURNS[1]},
+        ]
+        # a new store object (empty memory tier), as a new process would have
+        again = model.session(cache=PrefixStore(directory))
+        text, done = _turn(again, msgs)
+        assert done.usage["cached"] > 0
+        assert text == first[1][0]
+
+
+def test_cache_false_stores_nothing(dense, isolated_home):
+    session = dense.session(cache=False)
+    _turn(session, [{"role": "user", "content": TURNS[0]}])
+    _, done = _turn(session, [{"role": "user", "content": TURNS[0]}])
+    assert done.usage["cached"] == 0
+    assert not list(Path(isolated_home).rglob(f"*{SUFFIX}"))
+
+
+def test_default_store_lives_under_the_data_dir(dense, isolated_home):
+    session = dense.session()
+    _turn(session, [{"role": "user", "content": TURNS[0]}])
+    files = list((Path(isolated_home) / "checkpoints").rglob(f"*{SUFFIX}"))
+    assert len(files) == 1
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_damaged_checkpoint_is_refused_and_recomputed(dense, tmp_path, damage):
+    directory = tmp_path / "store"
+    msgs = [{"role": "user", "content": TURNS[0]}]
+    expected, _ = _turn(dense.session(cache=False), msgs)
+    _turn(dense.session(cache=PrefixStore(directory)), msgs)
+    (path,) = directory.rglob(f"*{SUFFIX}")
+    if damage == "corrupt":
+        _corrupt(path)
+    else:
+        path.write_bytes(path.read_bytes()[:-50])
+    store = PrefixStore(directory)
+    with pytest.warns(CheckpointWarning, match="checksum|truncated"):
+        text, done = _turn(dense.session(cache=store), msgs)
+    assert done.usage["cached"] == 0 and text == expected
+    assert "recomputing" not in (store.last_error or "")
+    assert store.last_error and ("checksum" in store.last_error or "truncated" in store.last_error)
+
+
+def test_foreign_checkpoint_is_refused_and_recomputed(dense, tmp_path):
+    other = qwen38_backend.load(str(dense_fixture("qwen2", tmp_path / "m")))
+    msgs = [{"role": "user", "content": TURNS[0]}]
+    foreign_store = PrefixStore(tmp_path / "foreign")
+    _turn(other.session(cache=foreign_store), msgs)
+    (foreign,) = foreign_store.directory.rglob(f"*{SUFFIX}")
+    # plant it where this model's checkpoints live, under a name that matches the prompt
+    store = PrefixStore(tmp_path / "store")
+    _turn(dense.session(cache=store), msgs)
+    (own,) = store.directory.rglob(f"*{SUFFIX}")
+    own.write_bytes(foreign.read_bytes())
+    expected, _ = _turn(dense.session(cache=False), msgs)
+    store2 = PrefixStore(store.directory)
+    with pytest.warns(CheckpointWarning, match="different model"):
+        text, done = _turn(dense.session(cache=store2), msgs)
+    assert done.usage["cached"] == 0 and text == expected
+
+
+def test_disk_full_keeps_the_session_working(dense, tmp_path, monkeypatch):
+    msgs = [{"role": "user", "content": TURNS[0]}]
+    expected = _recomputed(dense, TURNS[:2])
+    real_write = os.write
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = PrefixStore(tmp_path / "store")
+    session = dense.session(cache=store)
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.warns(CheckpointWarning, match="No space left on device"):
+        text, _ = _turn(session, msgs)
+    assert not [p for p in store.directory.rglob("*") if p.is_file()]  # nothing partial
+    monkeypatch.setattr(os, "write", real_write)
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": TURNS[1]}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        text2, done = _turn(session, msgs)
+    assert [text, text2] == expected and done.usage["cached"] > 0
+    assert len(list(store.directory.rglob(f"*{SUFFIX}"))) == 1  # writes work again
+
+
+def test_session_rewind(dense):
+    session = dense.session(cache=False)
+    _turn(session, [{"role": "user", "content": TURNS[0]}])
+    n = session.state.offset
+    session.rewind(5)
+    assert session.state.offset == n - 5
+
+
+@pytest.mark.demo
+def test_multi_turn_demo(demo_model, tmp_path):
+    turns = _chat(demo_model, PrefixStore(tmp_path / "store"))
+    for _text, usage, ids, before in turns[1:]:
+        assert usage["cached"] == min(common_prefix_len(before, ids), len(ids) - 1) > 0
+    assert [t[0] for t in turns] == _recomputed(demo_model)
+
+
+def common_prefix_len(a, b) -> int:
+    import numpy as np
+
+    return common_prefix(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
