@@ -33,6 +33,7 @@ from .errors import InvalidOptionError, Qwen38Error
 
 __all__ = [
     "ConstraintViolation",
+    "close_objects",
     "GrammarProcessor",
     "make_tokenizer_adapter",
     "json_schema_grammar",
@@ -214,6 +215,35 @@ def json_schema_grammar(schema: dict | bool, compact: bool = True) -> str:
         raise InvalidOptionError(f"invalid JSON schema: {e}") from e
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def close_objects(schema: Any) -> Any:
+    """Copy of `schema` where objects with `properties` and no `additionalProperties` get
+    `additionalProperties: false` (OpenAI-style strict outputs).
+
+    JSON Schema allows extra keys by default; a sampler that may add keys can ramble on
+    forever, so for generation the listed properties are taken as the whole object.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = close_objects(out[key])
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _with_guidance(schema: dict, compact: bool) -> dict:
     """Schema with compile options embedded (for `%json {...}` inside Lark)."""
     if not compact:
@@ -325,6 +355,16 @@ def _pick_tools(tools: Sequence[Any], choice: str) -> list[tuple[str, dict]]:
     return chosen
 
 
+def _string_choices(schema: Any) -> list[str] | None:
+    """The allowed values of a string enum / const schema, else None."""
+    if not isinstance(schema, dict):
+        return None
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if values and all(isinstance(v, str) and "\n</parameter>" not in v for v in values):
+        return list(values)
+    return None
+
+
 def _xml_call(idx: int, name: str, params: dict, compact: bool) -> tuple[str, str]:
     """Lark for one Qwen XML call body: <function=NAME> then <parameter=...> blocks."""
     props: dict = params.get("properties") or {}
@@ -334,19 +374,26 @@ def _xml_call(idx: int, name: str, params: dict, compact: bool) -> tuple[str, st
     for j, (pname, pschema) in enumerate(props.items()):
         rule = f"p{idx}_{j}"
         value = f"v{idx}_{j}"
-        if (
+        choices = _string_choices(pschema)
+        open_param = json.dumps(f"<parameter={pname}>\n")
+        close = json.dumps("\n</parameter>\n")
+        if choices is not None:
+            # Qwen writes string values raw (unquoted), enums included
+            alts = " | ".join(json.dumps(c) for c in choices)
+            rules.append(f"{value}: {alts}")
+            rules.append(f"{rule}: {open_param} {value} {close}")
+        elif (
             isinstance(pschema, dict)
             and pschema.get("type") == "string"
             and not ("enum" in pschema or "pattern" in pschema or "format" in pschema)
         ):
             # raw text up to the first "\n</parameter>" (lazy: ends at the first one)
             rules.append(f"{value}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
-            rules.append(f"{rule}: {json.dumps(f'<parameter={pname}>' + chr(10))} {value}")
+            rules.append(f"{rule}: {open_param} {value}")
         else:
             sch = pschema if isinstance(pschema, dict) else {}
             rules.append(f"{value}: %json {json.dumps(_with_guidance(sch, compact))}")
-            close = json.dumps("\n</parameter>\n")
-            rules.append(f"{rule}: {json.dumps(f'<parameter={pname}>' + chr(10))} {value} {close}")
+            rules.append(f"{rule}: {open_param} {value} {close}")
         parts.append(rule if pname in required else f"{rule}?")
     parts.append(json.dumps("</function>"))
     return f"call{idx}", f"call{idx}: {' '.join(parts)}\n" + "\n".join(rules) + "\n"

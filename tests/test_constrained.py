@@ -14,6 +14,7 @@ from helpers import dense_fixture
 from qwen38_backend.constrained import (
     ConstraintViolation,
     GrammarProcessor,
+    close_objects,
     json_mode_processor,
     json_schema_processor,
     lark_processor,
@@ -273,3 +274,22 @@ def test_demo_model_json_schema(demo_model, seed):
     tokens, stats = _generate(demo_model, proc, seed, max_tokens=120, prompt=prompt)
     assert stats.finish_reason == "stop"
     jsonschema.validate(json.loads(_text(demo_model, tokens)), schema)
+
+
+def test_close_objects_only_touches_schemas():
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "string"},  # a property *named* properties
+            "inner": {"type": "object", "properties": {"x": {}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+        "anyOf": [{"properties": {"y": {}}}],
+    }
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"] == {"type": "string"}
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the input is not modified

@@ -1,0 +1,455 @@
+"""The heavy half of the plugin: loaded models, live sessions, and the engine worker thread.
+
+All MLX work (loading and generation) runs on one dedicated daemon thread: MLX streams are
+thread-local (arrays made on one thread cannot be evaluated on another), so sync and async
+callers must share one engine thread; it never exits, because a thread that used MLX
+exiting at interpreter shutdown can abort the process. Events come back through a queue.
+Per process:
+- models are loaded once per resolved path;
+- one Session per (model, conversation id) keeps its KV state between turns, so `llm chat`
+  only prefills what is new;
+- sessions use the prefix store in `llm.user_dir()/qwen38/checkpoints`, so a new process
+  (`llm -c`) restores the saved prefix instead of prefilling it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llm
+from llm.parts import StreamEvent
+
+from . import _home, _prefix
+
+DEFAULT_MAX_TOKENS = 4096
+MAX_SESSIONS = 8  # live conversations kept per process (LRU)
+
+_JOBS: queue.Queue = queue.Queue()
+_ENGINE_LOCK = threading.Lock()
+_ENGINE: threading.Thread | None = None
+_MODELS: dict[Path, Any] = {}
+_SESSIONS: OrderedDict[tuple[Path, str], Any] = OrderedDict()
+
+
+# ----- resolving and loading (engine thread) -------------------------------------------------
+
+
+def resolve_target(target: str | None) -> Path:
+    """Path of the weights for a model id's target (None: the user's default)."""
+    from qwen38_backend.loading.registry import resolve
+
+    if target is None:
+        name = _home.default_name()
+        if name is None:
+            raise llm.ModelError(
+                "no default qwen38 model is configured. Register local weights with "
+                "`llm qwen38 add PATH --name NAME --default` (or pick one with "
+                "`llm qwen38 default NAME`); meanwhile `llm -m qwen38-demo` works now "
+                "(it fetches a 98 MB demo model once)."
+            )
+        target = name
+    return Path(resolve(target)).resolve()
+
+
+def load(path: Path) -> Any:
+    model = _MODELS.get(path)
+    if model is None:
+        import qwen38_backend
+
+        model = qwen38_backend.load(str(path))
+        _MODELS[path] = model
+    return model
+
+
+def _new_session(model: Any, cache: bool) -> Any:
+    if not cache:
+        return model.session(cache=False)
+    store = _prefix.store()
+    return model.session(cache=store) if store is not None else model.session()
+
+
+def session_for(model: Any, path: Path, conversation_id: str | None, cache: bool) -> Any:
+    """The live Session of this conversation (a fresh one when caching is off)."""
+    if not cache or conversation_id is None:
+        return _new_session(model, cache)
+    key = (path, conversation_id)
+    session = _SESSIONS.get(key)
+    if session is None:
+        session = _new_session(model, cache)
+        _SESSIONS[key] = session
+        while len(_SESSIONS) > MAX_SESSIONS:
+            _SESSIONS.popitem(last=False)
+    _SESSIONS.move_to_end(key)
+    return session
+
+
+# ----- llm messages -> chat messages ---------------------------------------------------------
+
+
+def chat_messages(prompt: llm.Prompt) -> list[dict]:
+    """The whole conversation as chat-template messages, from `prompt.messages` only.
+
+    (llm 0.36 passes the full history there; `conversation.responses` is empty on `llm -c`
+    and `prompt.system` is empty on continued turns.)
+    """
+    from llm.parts import (
+        AttachmentPart,
+        ReasoningPart,
+        TextPart,
+        ToolCallPart,
+        ToolResultPart,
+    )
+
+    out: list[dict] = []
+    for message in prompt.messages:
+        texts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict] = []
+        results: list[dict] = []
+        for part in message.parts:
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+            elif isinstance(part, ReasoningPart):
+                if part.text:
+                    reasoning.append(part.text)
+            elif isinstance(part, ToolCallPart):
+                calls.append(
+                    {
+                        "type": "function",
+                        "id": part.tool_call_id,
+                        "function": {"name": part.name, "arguments": dict(part.arguments or {})},
+                    }
+                )
+            elif isinstance(part, ToolResultPart):
+                content = part.output
+                if part.exception:
+                    content = f"Error: {part.exception}"
+                results.append(
+                    {
+                        "role": "tool",
+                        "content": content,
+                        "tool_call_id": part.tool_call_id,
+                        "name": part.name,
+                    }
+                )
+            elif isinstance(part, AttachmentPart):
+                raise llm.ModelError("qwen38 models take text only (no attachments)")
+        if message.role == "tool" or results:
+            out.extend(results)
+            continue
+        entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        if message.role == "assistant":
+            if reasoning:
+                entry["reasoning_content"] = "".join(reasoning)
+            if calls:
+                entry["tool_calls"] = calls
+        elif message.role == "system" and not entry["content"]:
+            continue
+        out.append(entry)
+    if not out:
+        raise llm.ModelError("empty prompt: nothing to send to the model")
+    return out
+
+
+def tool_specs(prompt: llm.Prompt) -> list[dict]:
+    """OpenAI-style function specs for the chat template (and the tool-call grammar)."""
+    specs = []
+    for tool in prompt.tools:
+        if not isinstance(tool, llm.Tool):
+            continue
+        specs.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description or "",
+                    "parameters": tool.input_schema or {"type": "object", "properties": {}},
+                },
+            }
+        )
+    return specs
+
+
+def opens_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt leaves a <think> block open (output starts reasoning)."""
+    i = prompt_text.rfind("<think>")
+    return i >= 0 and "</think>" not in prompt_text[i:]
+
+
+# ----- one generation (engine thread) -------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """Everything a generation needs, captured on the caller's thread."""
+
+    target: str | None
+    model_id: str
+    messages: list[dict]
+    tools: list[dict]
+    options: dict[str, Any]
+    schema: dict | None
+    conversation_id: str | None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def build_request(model: Any, prompt: llm.Prompt, conversation: Any) -> Request:
+    options = {k: v for k, v in prompt.options.model_dump().items() if v is not None}
+    schema = prompt.schema
+    if schema is not None and not isinstance(schema, dict):
+        schema = json.loads(json.dumps(schema))
+    return Request(
+        target=model.target,
+        model_id=model.model_id,
+        messages=chat_messages(prompt),
+        tools=tool_specs(prompt),
+        options=options,
+        schema=schema,
+        conversation_id=getattr(conversation, "id", None),
+    )
+
+
+def _generation_defaults(model: Any) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json when the model asks to sample."""
+    gen = model.generation_config or {}
+    if not gen.get("do_sample"):
+        return {}
+    return {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+
+
+def _tool_style(model: Any) -> str:
+    template = getattr(model.tokenizer, "chat_template", None) or ""
+    return "qwen_xml" if "<function=" in template else "json"
+
+
+def run(request: Request, emit: Callable[[tuple], None]) -> None:
+    """Generate on the engine thread; emit ("text"|"reasoning"|"tool_call"|"done", payload)."""
+    from qwen38_backend import constrained
+
+    path = resolve_target(request.target)
+    model = load(path)
+    opts = dict(request.options)
+    cache = opts.pop("cache", True)
+    session = session_for(model, path, request.conversation_id, cache)
+
+    template: dict[str, Any] = {}
+    tool_choice = opts.pop("tool_choice", "auto")
+    tool_style = opts.pop("tool_style", None) or _tool_style(model)
+    tools = request.tools if tool_choice != "none" else []
+    # forced only while the user spoke last: after tool results the model answers freely
+    force_tool = bool(tools) and tool_choice not in ("auto", "none")
+    force_tool = force_tool and request.messages[-1]["role"] == "user"
+
+    think = opts.pop("think", None)
+    if think is None and (request.schema is not None or force_tool):
+        think = False  # a constrained answer should not first spend tokens on reasoning
+    if think is not None:
+        template["enable_thinking"] = bool(think)
+
+    ids, prompt_text = session.render(request.messages, tools or None, **template)
+    context = opts.pop("context", None)
+    max_tokens = opts.pop("max_tokens", DEFAULT_MAX_TOKENS)
+    if context is not None:
+        if len(ids) >= context:
+            raise llm.ModelError(
+                f"the prompt is {len(ids)} tokens, over the context option ({context}); "
+                "raise -o context or shorten the conversation"
+            )
+        max_tokens = min(max_tokens, context - len(ids))
+
+    thinking = opens_reasoning(prompt_text)
+    processors = []
+    if request.schema is not None:
+        processors.append(
+            constrained.json_schema_processor(
+                model, constrained.close_objects(request.schema), thinking=thinking
+            )
+        )
+    elif force_tool:
+        processors.append(
+            constrained.tool_call_processor(
+                model,
+                [
+                    {
+                        **t,
+                        "function": {
+                            **t["function"],
+                            "parameters": constrained.close_objects(t["function"]["parameters"]),
+                        },
+                    }
+                    for t in tools
+                ],
+                choice=tool_choice,
+                style=tool_style,
+                thinking=thinking,
+            )
+        )
+
+    sampling = {**_generation_defaults(model), **opts}
+    if processors:
+        sampling["logits_processors"] = processors
+    events = session.generate(ids, max_tokens=max_tokens, **sampling)
+    try:
+        for event in events:
+            if request.cancel.is_set():
+                break
+            if event.type == "done":
+                continue  # usage comes from session.last_stats below
+            if event.type == "tool_call":
+                emit(("tool_call", event.tool_call))
+            elif event.text:
+                emit((event.type, event.text))
+    finally:
+        events.close()
+    stats = session.last_stats
+    info = {
+        "model": request.model_id,
+        "weights": str(path),
+        "finish_reason": stats.finish_reason if stats else None,
+        "prompt_tokens": stats.prompt_tokens if stats else len(ids),
+        "cached_tokens": stats.cached_tokens if stats else 0,
+        "checkpoint_error": _prefix.last_error() if cache else None,
+        "generated_tokens": stats.generated_tokens if stats else 0,
+        "prefill_tokens_per_second": round(stats.prefill_tokens_per_second, 2) if stats else 0,
+        "decode_tokens_per_second": round(stats.decode_tokens_per_second, 2) if stats else 0,
+        "prefill_seconds": round(stats.prefill_seconds, 4) if stats else 0,
+        "decode_seconds": round(stats.decode_seconds, 4) if stats else 0,
+        "kv": dict(stats.kv) if stats else {},
+        "constrained": "schema"
+        if request.schema is not None
+        else ("tool_call" if processors else None),
+    }
+    emit(("done", info))
+
+
+# ----- the worker bridge --------------------------------------------------------------------
+
+
+class _Error:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+_END = object()
+
+
+def _engine_loop() -> None:
+    while True:
+        job = _JOBS.get()
+        job()
+
+
+def _submit(job: Callable[[], None]) -> None:
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None or not _ENGINE.is_alive():
+            _ENGINE = threading.Thread(target=_engine_loop, name="qwen38-engine", daemon=True)
+            _ENGINE.start()
+    _JOBS.put(job)
+
+
+def _work(request: Request, put: Callable[[Any], None]) -> None:
+    try:
+        run(request, put)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+        put(_Error(exc))
+    finally:
+        put(_END)
+
+
+def _raise(exc: BaseException) -> None:
+    from qwen38_backend.errors import Qwen38Error
+
+    if isinstance(exc, (llm.ModelError, ValueError)):
+        raise exc
+    if isinstance(exc, Qwen38Error):
+        raise llm.ModelError(str(exc)) from exc
+    raise exc
+
+
+class _Translator:
+    """Engine events -> llm StreamEvents, tool calls and usage on the response."""
+
+    def __init__(self, response: Any):
+        self.response = response
+
+    def __call__(self, item: tuple) -> list[StreamEvent]:
+        kind, payload = item
+        if kind in ("text", "reasoning"):
+            return [StreamEvent(type=kind, chunk=payload)]
+        if kind == "tool_call":
+            call_id = payload.id
+            self.response.add_tool_call(
+                llm.ToolCall(name=payload.name, arguments=payload.arguments, tool_call_id=call_id)
+            )
+            return [
+                StreamEvent(type="tool_call_name", chunk=payload.name, tool_call_id=call_id),
+                StreamEvent(
+                    type="tool_call_args",
+                    chunk=json.dumps(payload.arguments),
+                    tool_call_id=call_id,
+                ),
+            ]
+        if kind == "done":
+            info = payload
+            details = {"cached_tokens": info["cached_tokens"]}
+            self.response.set_usage(
+                input=info["prompt_tokens"], output=info["generated_tokens"], details=details
+            )
+            self.response.response_json = info
+            return []
+        raise AssertionError(f"unknown engine event {kind!r}")
+
+
+def execute(model: Any, prompt: llm.Prompt, response: Any, conversation: Any) -> Iterator[Any]:
+    _home.ensure_home()
+    request = build_request(model, prompt, conversation)
+    q: queue.Queue = queue.Queue()
+    _submit(lambda: _work(request, q.put))
+    translate = _Translator(response)
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, _Error):
+                _raise(item.exc)
+            yield from translate(item)
+    finally:
+        request.cancel.set()  # an abandoned stream stops the engine at the next token
+
+
+async def execute_async(
+    model: Any, prompt: llm.Prompt, response: Any, conversation: Any
+) -> AsyncIterator[Any]:
+    _home.ensure_home()
+    request = build_request(model, prompt, conversation)
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    _submit(lambda: _work(request, put))
+    translate = _Translator(response)
+    try:
+        while True:
+            item = await q.get()
+            if item is _END:
+                return
+            if isinstance(item, _Error):
+                _raise(item.exc)
+            for event in translate(item):
+                yield event
+    finally:
+        request.cancel.set()

@@ -1,0 +1,367 @@
+"""The llm plugin end to end: the real `llm` CLI in subprocesses, a temp LLM_USER_PATH, the engine.
+
+Tiny random checkpoints (with the tiny tokenizer) cover the mechanics; the demo model
+(SmolLM2-135M GGUF, marker `demo`) covers a real answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+from helpers import dense_fixture
+
+WEATHER_TOOL = '''import typing
+def weather(city: typing.Literal["Paris", "Berlin"]) -> str:
+    """Current weather for a city."""
+    return f"sunny in {city}"
+'''
+
+
+class LLM:
+    """Runs `python -m llm` with an isolated user dir (QWEN38_HOME left to the plugin)."""
+
+    def __init__(self, user_dir: Path):
+        self.user_dir = user_dir
+        self.env = {k: v for k, v in os.environ.items() if k != "QWEN38_HOME"}
+        self.env["LLM_USER_PATH"] = str(user_dir)
+        self.env.pop("LLM_RAISE_ERRORS", None)
+
+    def __call__(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", "llm", *args],
+            env=self.env,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"llm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
+    def python(self, code: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=600
+        )
+
+    def responses(self) -> list[dict]:
+        """Logged responses, oldest first (`llm logs --json`: storage-layout independent)."""
+        if not (self.user_dir / "logs.db").exists():
+            return []
+        rows = json.loads(self("logs", "-n", "0", "--json").stdout)
+        for r in rows:
+            for key in ("token_details", "response_json"):
+                if isinstance(r.get(key), str):
+                    r[key] = json.loads(r[key])
+        return rows
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch) -> LLM:
+    monkeypatch.delenv("QWEN38_HOME", raising=False)
+    return LLM(tmp_path / "llm-user")
+
+
+@pytest.fixture
+def tiny(cli, tmp_path) -> str:
+    """A tiny qwen3 checkpoint registered as `tiny`."""
+    path = dense_fixture("qwen3", tmp_path / "models")
+    cli("qwen38", "add", str(path), "--name", "tiny")
+    return "tiny"
+
+
+@pytest.fixture
+def demo(cli, demo_gguf) -> str:
+    """The demo model, placed where the plugin's QWEN38_HOME expects it (no re-download)."""
+    target = cli.user_dir / "qwen38" / "cache" / "demo" / demo_gguf.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(demo_gguf)
+    return "qwen38-demo"
+
+
+# ----- start-up cost -----------------------------------------------------------------------
+
+
+def test_plugin_import_is_light(cli):
+    code = (
+        "import sys, llm; before = set(sys.modules); import llm_qwen38; "
+        "heavy = {'mlx', 'mlx.core', 'tokenizers', 'llguidance', 'qwen38_backend', 'numpy'}; "
+        "new = heavy & (set(sys.modules) - before); assert not new, new; "
+        "from llm.cli import cli; from click.testing import CliRunner; "
+        "r = CliRunner().invoke(cli, ['--help']); assert r.exit_code == 0, r.output; "
+        "assert 'mlx' not in sys.modules and 'qwen38_backend' not in sys.modules; print('ok')"
+    )
+    proc = cli.python(code)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_llm_help_is_fast(cli):
+    cli("--help")  # warm the page cache
+    start = time.perf_counter()
+    out = cli("--help")
+    assert time.perf_counter() - start < 10
+    assert "qwen38" in out.stdout
+
+
+# ----- models and commands ------------------------------------------------------------------
+
+
+def test_models_list_shows_demo_alias_and_registered(cli, tiny):
+    out = cli("models", "list").stdout
+    assert "qwen38-demo" in out
+    assert "Qwen3.8 (local): qwen38\n" in out
+    assert "Qwen3.8 (local): tiny" in out
+    listed = cli("qwen38", "list").stdout
+    assert "tiny" in listed and "qwen38-demo" in listed
+    # the registry lives under the llm user dir
+    assert (cli.user_dir / "qwen38" / "registry.json").is_file()
+
+
+def test_default_alias(cli, tiny):
+    proc = cli("-m", "qwen38", "hi", "-o", "max_tokens", "2", check=False)
+    assert proc.returncode != 0
+    assert "llm qwen38 add" in proc.stderr and "qwen38-demo" in proc.stderr
+    cli("qwen38", "default", "tiny")
+    assert cli("qwen38", "default").stdout.strip() == "tiny"
+    cli("-m", "qwen38", "hi", "-o", "max_tokens", "3", "-o", "seed", "1")
+    assert cli.responses()[-1]["response_json"]["weights"].endswith("qwen3")
+
+
+def test_commands_remove_info_and_errors(cli, tiny):
+    info = cli("qwen38", "info", "tiny").stdout
+    assert "qwen3" in info and "checkpoints" in info
+    proc = cli("qwen38", "remove", "nope", check=False)
+    assert proc.returncode != 0 and "unknown model 'nope'" in proc.stderr
+    proc = cli("qwen38", "add", str(cli.user_dir / "missing"), check=False)
+    assert proc.returncode != 0 and "no such file or directory" in proc.stderr
+    cli("qwen38", "remove", "tiny")
+    assert "tiny" not in cli("models", "list").stdout
+
+
+def test_cache_commands(cli, tiny):
+    cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
+    listed = cli("qwen38", "cache", "list").stdout
+    assert "checkpoints" in listed and not listed.startswith("0 checkpoints")
+    ckpt_dir = cli.user_dir / "qwen38" / "checkpoints"
+    assert any(ckpt_dir.rglob("*.safetensors"))
+    proc = cli("qwen38", "cache", "prune", "--max-bytes", "lots", check=False)
+    assert proc.returncode != 0 and "invalid size" in proc.stderr
+    cli("qwen38", "cache", "prune", "--max-bytes", "0")
+    assert not any(ckpt_dir.rglob("*.safetensors"))
+    cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
+    cli("qwen38", "cache", "clear", "--yes")
+    assert not any(ckpt_dir.rglob("*.safetensors"))
+
+
+# ----- bad input ---------------------------------------------------------------------------
+
+
+def test_unknown_model(cli):
+    proc = cli("-m", "qwen38-nope", "hi", check=False)
+    assert proc.returncode != 0 and "Unknown model" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("temperature", "-1", "temperature"),
+        ("top_p", "0", "top_p"),
+        ("max_tokens", "zero", "max_tokens"),
+        ("kv_paged", "sometimes", "kv_paged"),
+        ("think", "perhaps", "think"),
+        ("bogus", "1", "bogus"),
+    ],
+)
+def test_invalid_options(cli, tiny, option, value, message):
+    proc = cli("-m", "tiny", "hi", "-o", option, value, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (cli.user_dir / "logs.db").exists() or not cli.responses()
+
+
+def test_missing_weights_directory(cli, tmp_path):
+    path = dense_fixture("qwen3", tmp_path / "gone")
+    cli("qwen38", "add", str(path), "--name", "gone")
+    for f in path.iterdir():
+        f.unlink()
+    path.rmdir()
+    proc = cli("-m", "gone", "hi", check=False)
+    assert proc.returncode != 0 and "no longer exists" in proc.stderr
+    assert "[missing]" in cli("qwen38", "list").stdout  # the registry is intact
+
+
+def test_weights_of_another_model(cli, tmp_path):
+    """qwen3's config with llama's tensors: refused with the tensor names, nothing logged."""
+    path = dense_fixture("qwen3", tmp_path / "mixed")
+    llama = dense_fixture("llama", tmp_path / "llama")
+    (path / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
+    cli("qwen38", "add", str(path), "--name", "mixed")
+    proc = cli("-m", "mixed", "hi", check=False)
+    assert proc.returncode != 0
+    assert "Error:" in proc.stderr and "q_norm" in proc.stderr
+    assert not (cli.user_dir / "logs.db").exists() or not cli.responses()
+
+
+def test_corrupt_checkpoint_is_recomputed(cli, tiny):
+    cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
+    files = list((cli.user_dir / "qwen38" / "checkpoints").rglob("*.safetensors"))
+    assert files
+    for f in files:
+        f.write_bytes(f.read_bytes()[:100])
+    out = cli("-c", "again", "-o", "max_tokens", "4", "-o", "seed", "1")
+    assert out.returncode == 0
+    last = cli.responses()[-1]
+    assert last["response_json"]["cached_tokens"] == 0  # refused, so recomputed
+    assert last["output_tokens"] == 4
+
+
+# ----- generation, usage, conversations ----------------------------------------------------
+
+
+def test_usage_and_response_json(cli, tiny):
+    cli("-m", "tiny", "hello", "-o", "max_tokens", "6", "-o", "seed", "3", "-o", "temperature", "1")
+    r = cli.responses()[-1]
+    assert r["output_tokens"] == 6 and r["input_tokens"] > 0
+    assert r["token_details"] == {"cached_tokens": 0}
+    rj = r["response_json"]
+    assert rj["finish_reason"] == "length"
+    for key in ("decode_tokens_per_second", "prefill_tokens_per_second", "cached_tokens", "kv"):
+        assert key in rj
+
+
+def test_continue_in_a_new_process_restores_the_prefix(cli, tiny):
+    cli("-m", "tiny", "hello there", "-o", "max_tokens", "5", "-o", "seed", "1")
+    cli("-c", "and again", "-o", "max_tokens", "5", "-o", "seed", "1")
+    first, second = cli.responses()[-2:]
+    assert second["conversation_id"] == first["conversation_id"]
+    # the prior turns are in the prompt, and their prefix came from the checkpoint store
+    assert second["input_tokens"] > first["input_tokens"]
+    assert second["token_details"]["cached_tokens"] >= first["input_tokens"] - 4
+    assert second["token_details"]["cached_tokens"] > 0
+
+
+def test_continue_with_cache_off_reprefills(cli, tiny):
+    cli("-m", "tiny", "hello there", "-o", "max_tokens", "5", "-o", "seed", "1")
+    cli("-c", "and again", "-o", "max_tokens", "5", "-o", "cache", "0")
+    assert cli.responses()[-1]["token_details"]["cached_tokens"] == 0
+
+
+def test_chat_reuses_the_live_session(cli, tiny):
+    # no disk checkpoints (cap 0): any reuse must come from this process's memory
+    cli.env["QWEN38_CHECKPOINT_MAX_BYTES"] = "0"
+    out = cli(
+        "chat", "-m", "tiny", "-o", "max_tokens", "4", "-o", "seed", "2",
+        input="one\ntwo\nthree\nquit\n",
+    )  # fmt: skip
+    assert out.returncode == 0
+    rows = cli.responses()
+    assert len(rows) == 3
+    assert len({r["conversation_id"] for r in rows}) == 1
+    assert rows[0]["token_details"]["cached_tokens"] == 0
+    for prev, row in zip(rows, rows[1:], strict=False):
+        assert row["input_tokens"] > prev["input_tokens"]
+        assert row["token_details"]["cached_tokens"] >= prev["input_tokens"] - 4
+    assert not any((cli.user_dir / "qwen38" / "checkpoints").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("style", ["qwen_xml", "json"])
+def test_tool_chain_forced_by_the_constrained_sampler(cli, tiny, style):
+    out = cli(
+        "-m", "tiny", "--functions", WEATHER_TOOL, "What is the weather in Paris?",
+        "-o", "tool_choice", "any", "-o", "tool_style", style,
+        "-o", "max_tokens", "40", "-o", "seed", "5", "--td",
+    )  # fmt: skip
+    rows = cli.responses()
+    assert len(rows) == 2, out.stdout  # the call, then the answer after the tool result
+    calls = rows[0]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["name"] == "weather"
+    assert calls[0]["arguments"]["city"] in ("Paris", "Berlin")
+    assert rows[0]["response_json"]["constrained"] == "tool_call"
+    results = rows[1]["tool_results"]
+    assert results and results[0]["output"] == f"sunny in {calls[0]['arguments']['city']}"
+    assert rows[1]["response_json"]["constrained"] is None  # answered freely
+    assert rows[1]["token_details"]["cached_tokens"] > 0  # the chain reused the live state
+    assert "Tool call: weather" in out.stdout + out.stderr
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tag": {"enum": ["a", "b"]},
+    },
+    "required": ["ok", "n", "tag"],
+}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_schema_output_is_valid_json(cli, tiny, seed):
+    out = cli(
+        "-m", "tiny", "--schema", json.dumps(BOUNDED), "give me data",
+        "-o", "temperature", "1", "-o", "seed", str(seed), "-o", "max_tokens", "60",
+    )  # fmt: skip
+    data = json.loads(out.stdout)
+    jsonschema.validate(data, {**BOUNDED, "additionalProperties": False})
+    assert cli.responses()[-1]["response_json"]["constrained"] == "schema"
+
+
+def test_async_model_matches_sync(cli, tiny):
+    code = """
+import asyncio, json, llm
+async def main():
+    model = llm.get_async_model("tiny")
+    response = model.prompt("hello", max_tokens=6, seed=1)
+    text = await response.text()
+    usage = await response.usage()
+    return text, usage.output
+text, output = asyncio.run(main())
+sync = llm.get_model("tiny").prompt("hello", max_tokens=6, seed=1)
+print(json.dumps({"async": text, "sync": sync.text(), "out": output}))
+"""
+    proc = cli.python(code)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["out"] == 6
+    assert result["async"] == result["sync"]
+
+
+# ----- the demo model -----------------------------------------------------------------------
+
+
+@pytest.mark.demo
+def test_demo_answers_paris_and_continues(cli, demo):
+    out = cli("-m", demo, "What is the capital of France?", "-o", "max_tokens", "16")
+    assert "Paris" in out.stdout
+    out = cli("-c", "And of Germany?", "-o", "max_tokens", "16")
+    assert "Berlin" in out.stdout
+    first, second = cli.responses()[-2:]
+    assert second["token_details"]["cached_tokens"] > 0
+    assert second["input_tokens"] > first["input_tokens"] + first["output_tokens"]
+
+
+@pytest.mark.demo
+def test_demo_schema(cli, demo):
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "is_capital": {"type": "boolean"},
+        },
+        "required": ["city", "is_capital"],
+    }
+    out = cli(
+        "-m", demo, "--schema", json.dumps(schema), "Paris as JSON", "-o", "max_tokens", "30",
+    )  # fmt: skip
+    jsonschema.validate(json.loads(out.stdout), schema)
