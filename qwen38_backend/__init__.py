@@ -10,9 +10,7 @@ if TYPE_CHECKING:
     from .engine import Model
 
 
-def load(
-    path_or_name: str, dtype: str | None = None, keep_quantized: bool | None = None
-) -> Model:
+def load(path_or_name: str, dtype: str | None = None, keep_quantized: bool | None = None) -> Model:
     """Load a model by registry name (e.g. 'qwen38-demo') or path (HF directory or .gguf).
 
     dtype: compute dtype ('float32', 'bfloat16', 'float16'); default fp32 on CPU, the

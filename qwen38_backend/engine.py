@@ -77,8 +77,10 @@ class TokenStream:
 
 
 def state_arrays(state: SequenceState) -> list[mx.array]:
-    """Every array a sequence's layers hold, for evaluating them after a prefill chunk."""
+    """Every array a sequence's layers hold (nested stores included), for evaluating them
+    after a prefill chunk so lazy graphs do not pile up across chunks."""
     out: list[mx.array] = []
+    seen: set[int] = set()
 
     def collect(value: Any) -> None:
         if isinstance(value, mx.array):
@@ -89,9 +91,12 @@ def state_arrays(state: SequenceState) -> list[mx.array]:
         elif isinstance(value, dict):
             for v in value.values():
                 collect(v)
+        elif hasattr(value, "__dict__") and id(value) not in seen:
+            seen.add(id(value))
+            collect(vars(value))
 
     for layer in state.layers:
-        collect(vars(layer))
+        collect(layer)
     return out
 
 

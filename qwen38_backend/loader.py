@@ -20,6 +20,9 @@ def load_model(
     if ckpt.rope_interleaved:
         config["rope_interleaved"] = True
     net = build_model(config)
+    if hasattr(net, "attach_ngram_tables") and ckpt.source.is_dir():
+        # Flash-Next's n-gram table (102 GB in bf16) is read row by row from a memory map
+        net.attach_ngram_tables(ckpt.source)
     compute = parse_dtype(dtype, ckpt.weights)
     dequantize = None if keep_quantized is None else not keep_quantized
     load_into(net, ckpt.weights, ckpt.quantization, compute, dequantize=dequantize)

@@ -15,6 +15,7 @@ Two exact forms of that recurrence:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,7 +30,8 @@ class GatedDeltaNetState:
     """Per-sequence state of one Gated DeltaNet layer.
 
     conv: the last (kernel - 1) inputs of the causal conv, [kernel-1, conv_dim] (model dtype).
-    recurrent: [Hv, Dk, Dv] fp32. Recurrent state cannot be truncated: rewinds need snapshots.
+    recurrent: [Hv, Dv, Dk] fp32 (the layout of mx.fast.gated_delta_update). Recurrent state
+    cannot be truncated: rewinds need snapshots.
     """
 
     can_truncate = False
@@ -277,6 +279,8 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
         """x [T, hidden] (already normed) -> [T, hidden]; advances `state`."""
         T = x.shape[0]
+        if T <= self.recurrent_max_tokens:
+            return self._recurrent_call(x, state)
         Hk, Hv, Dk, Dv = self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim
         qkv = self._conv(self.in_proj_qkv(x), state)
         q = qkv[:, : self.key_dim].reshape(T, Hk, Dk)
@@ -290,13 +294,89 @@ class GatedDeltaNet(nn.Module):
         )
         q, k = prepare_qk(q, k, Hv)
         S = state.recurrent
-        if S is None:
-            S = mx.zeros((Hv, Dk, Dv), dtype=mx.float32)
-        rule: Callable = (
-            recurrent_gated_delta if T <= self.recurrent_max_tokens else chunked_gated_delta
-        )
-        o, S = rule(q, k, v, g, beta, S)
-        state.recurrent = S
+        # the state is kept as [Hv, Dv, Dk] (the fused kernel's layout); the chunked form
+        # works on [Hv, Dk, Dv]
+        S = mx.zeros((Hv, Dk, Dv), mx.float32) if S is None else S.swapaxes(-1, -2)
+        o, S = chunked_gated_delta(q, k, v, g, beta, S)
+        state.recurrent = S.swapaxes(-1, -2)
         state.length += T
         o = self.norm(o.astype(x.dtype), z)
         return self.out_proj(o.reshape(T, self.value_dim))
+
+    def _recurrent_call(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
+        """Few tokens (decode, MTP verify): one fused step per token via
+        mx.fast.gated_delta_update; the single-token case is one compiled graph."""
+        T = x.shape[0]
+        if state.recurrent is None:
+            state.recurrent = mx.zeros((self.n_v_heads, self.v_head_dim, self.k_head_dim))
+            state.conv = mx.zeros((self.conv_kernel - 1, self.conv_dim), dtype=x.dtype)
+        spec = self._core_spec()
+        core = _decode_core(spec) if T == 1 else partial(_gdn_core, spec=spec)
+        o, state.conv, state.recurrent = core(
+            self.in_proj_qkv(x),
+            self.in_proj_z(x),
+            self.in_proj_b(x),
+            self.in_proj_a(x),
+            state.conv.astype(x.dtype),
+            self.conv1d.weight[:, :, 0].astype(x.dtype),
+            self.A_log,
+            self.dt_bias,
+            state.recurrent,
+            self.norm.weight,
+        )
+        state.length += T
+        return self.out_proj(o)
+
+    def _core_spec(self) -> tuple:
+        return (
+            self.n_k_heads,
+            self.n_v_heads,
+            self.k_head_dim,
+            self.v_head_dim,
+            self.norm.eps,
+            self.norm.activation,
+        )
+
+
+def _gdn_core(qkv, z, b, a, hist, conv_w, A_log, dt_bias, S, norm_w, spec):
+    """Conv + SiLU, gates, l2-normed q/k, the fused delta-rule kernel and the gated norm.
+
+    Same arithmetic as the layer's chunked path (and the reference recurrence); S is
+    [Hv, Dv, Dk] fp32. Returns (normed output [T, Hv*Dv], new conv history, new S).
+    """
+    Hk, Hv, Dk, Dv, eps, activation = spec
+    T, dtype = qkv.shape[0], qkv.dtype
+    K = conv_w.shape[1]
+    xp = mx.concatenate([hist, qkv], axis=0)
+    conv = xp[0:T] * conv_w[:, 0]
+    for j in range(1, K):
+        conv = conv + xp[j : j + T] * conv_w[:, j]
+    conv = nn.silu(conv)
+    q = conv[:, : Hk * Dk].reshape(T, Hk, Dk).astype(mx.float32)
+    k = conv[:, Hk * Dk : 2 * Hk * Dk].reshape(T, Hk, Dk).astype(mx.float32)
+    v = conv[:, 2 * Hk * Dk :].reshape(T, Hv, Dv).astype(mx.float32)
+    q = _l2norm(q) * (Dk**-0.5)
+    k = _l2norm(k)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(
+        a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    )
+    o, S = mx.fast.gated_delta_update(
+        q[None], k[None], v[None], mx.exp(g)[None], beta[None], S[None]
+    )
+    o = o[0].astype(dtype)
+    xh = mx.fast.rms_norm(o.astype(mx.float32), None, eps).astype(dtype)
+    y = norm_w * xh
+    zf = z.reshape(T, Hv, Dv).astype(mx.float32)
+    gate = nn.silu(zf) if activation == "silu" else mx.sigmoid(zf)
+    return (y * gate).astype(dtype).reshape(T, Hv * Dv), xp[-(K - 1) :], S[0]
+
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _decode_core(spec: tuple) -> Callable:
+    """`_gdn_core` compiled for one token: ~40 elementwise ops fuse into a few kernels."""
+    if spec not in _COMPILED:
+        _COMPILED[spec] = mx.compile(partial(_gdn_core, spec=spec))
+    return _COMPILED[spec]

@@ -154,6 +154,12 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+@mx.compile
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up as one fused kernel."""
+    return nn.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
@@ -164,4 +170,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
