@@ -297,7 +297,11 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
     sampling = {**_generation_defaults(model), **opts}
     if processors:
         sampling["logits_processors"] = processors
-    events = session.generate(ids, max_tokens=max_tokens, **sampling)
+    # messages (not ids): the session snapshots at the last message boundary, which models
+    # with recurrent layers need to reuse the conversation on the next turn
+    events = session.generate(
+        request.messages, tools or None, max_tokens=max_tokens, **template, **sampling
+    )
     try:
         for event in events:
             if request.cancel.is_set():
