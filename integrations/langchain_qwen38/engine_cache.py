@@ -1,0 +1,145 @@
+"""Loaded models shared across ChatQwen38 instances, and the sessions that keep their prefixes.
+
+Weights load once per process per (model, dtype), on first use, whichever instance asks
+first; every instance naming the same model then shares them. Each loaded model keeps a few
+Sessions; a call goes to the one whose live state shares the longest token prefix with the
+new prompt, so agent loops and chat histories only prefill what is new.
+
+Loaded engines live for the process; their worker threads are idle between calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from qwen38_backend.engine import Model
+from qwen38_backend.session import Session
+
+T = TypeVar("T")
+
+__all__ = ["DEFAULT_MODEL", "SESSIONS_PER_MODEL", "Engine", "get_engine", "clear_engines"]
+
+DEFAULT_MODEL = "qwen38"  # the registry's default model, else the demo model
+# Each live session holds a whole KV state, so keep few: enough for a conversation plus an
+# interleaved side call (e.g. a structured-output helper) without evicting each other.
+SESSIONS_PER_MODEL = 2
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Engine:
+    """One loaded Model, its sessions, and the one thread every use of it runs on.
+
+    MLX binds lazily evaluated arrays to the thread (stream) that created them: a session
+    state built on one thread cannot be evaluated on another. So each Engine owns a single
+    worker thread; loading, rendering, constrained-decoding masks and generation all run
+    there, one job at a time (which also serialises concurrent callers).
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.model: Model | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"qwen38:{name}")
+        self._sessions: list[Session] = []  # least recently used first
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        """Run fn on the engine thread."""
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run fn on the engine thread and wait for its result."""
+        return self.submit(fn, *args, **kwargs).result()
+
+    def acquire_session(self, ids: list[int]) -> Session:
+        """The session that can reuse the most of `ids` (engine thread only)."""
+        assert self.model is not None
+        best, best_len = None, 0
+        for s in self._sessions:
+            if s.state is None:
+                continue
+            n = _common_prefix(s.state.tokens, ids)
+            if n > best_len:
+                best, best_len = s, n
+        if best is None:
+            if len(self._sessions) < SESSIONS_PER_MODEL:
+                best = self.model.session()
+            else:
+                best = self._sessions.pop(0)  # reuse the least recently used one
+        else:
+            self._sessions.remove(best)
+        self._sessions.append(best)
+        return best
+
+    def close(self) -> None:
+        """Stop the worker thread once its queued jobs are done."""
+        self._executor.shutdown(wait=False)
+
+    def reset(self) -> None:
+        """Forget every live state (their memory is freed with them)."""
+        self.call(self._sessions.clear)
+
+
+_ENGINES: dict[tuple[str, str | None], Engine] = {}
+_LOAD_LOCKS: dict[tuple[str, str | None], threading.Lock] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _resolve(model: str) -> str:
+    """A path, a registered name, `qwen38-demo`, or DEFAULT_MODEL -> what load() accepts."""
+    from qwen38_backend.loading.registry import Registry, resolve
+
+    if model == DEFAULT_MODEL and not Path(model).exists() and model not in Registry():
+        return str(resolve(None))
+    return model
+
+
+def get_engine(model: str, dtype: str | None = None) -> Engine:
+    """The shared Engine for (model, dtype), loading it on first use (thread-safe)."""
+    import qwen38_backend
+
+    key = (model, dtype)
+    with _REGISTRY_LOCK:
+        engine = _ENGINES.get(key)
+        if engine is not None:
+            return engine
+        load_lock = _LOAD_LOCKS.setdefault(key, threading.Lock())
+    # loading can take minutes: hold only this model's lock, not the registry's
+    with load_lock:
+        with _REGISTRY_LOCK:
+            engine = _ENGINES.get(key)
+        if engine is None:
+            engine = Engine(model)
+            try:
+                engine.model = engine.call(qwen38_backend.load, _resolve(model), dtype)
+            except BaseException:
+                engine.close()
+                raise
+            with _REGISTRY_LOCK:
+                _ENGINES[key] = engine
+    return engine
+
+
+def clear_engines() -> None:
+    """Drop every loaded model (their memory is freed once nothing references them)."""
+    with _REGISTRY_LOCK:
+        engines = list(_ENGINES.values())
+        _ENGINES.clear()
+        _LOAD_LOCKS.clear()
+    for engine in engines:
+        engine.close()
+
+
+def loaded_engines() -> dict[tuple[str, str | None], Any]:
+    """Snapshot of the cache, for inspection and tests."""
+    with _REGISTRY_LOCK:
+        return dict(_ENGINES)
