@@ -90,6 +90,7 @@ def worker_ours(args) -> dict:
     from qwen38_backend.engine import Model
     from qwen38_backend.loading import Checkpoint
     from qwen38_backend.models import build_model
+    from qwen38_backend.models.layers import fuse_projections
     from qwen38_backend.sampling import SamplingParams
 
     dtype = getattr(mx, args.dtype)
@@ -99,6 +100,7 @@ def worker_ours(args) -> dict:
     nbytes = sum(w.nbytes for w in weights.values())
     net.update(tree_unflatten(list(weights.items())))
     del weights
+    fuse_projections(net)
     ckpt = Checkpoint(
         config=config, weights={}, quantization={}, generation_config={"eos_token_id": []}
     )

@@ -8,6 +8,7 @@ from .engine import Model
 from .loading import read_checkpoint
 from .loading.registry import resolve
 from .models import build_model
+from .models.layers import fuse_projections
 from .models.load import load_into, parse_dtype
 
 
@@ -26,5 +27,6 @@ def load_model(
     compute = parse_dtype(dtype, ckpt.weights)
     dequantize = None if keep_quantized is None else not keep_quantized
     load_into(net, ckpt.weights, ckpt.quantization, compute, dequantize=dequantize)
+    fuse_projections(net)
     name = str(path_or_name) if not Path(str(path_or_name)).exists() else path.stem
     return Model(net, ckpt, compute, name=name)

@@ -77,7 +77,7 @@ def test_quantized_loading_matches_dequantized_weights(tmp_path, arch, bits, kee
     src = dense_fixture(arch, tmp_path)
     dequantized = _quantized_copy(src, tmp_path / "q", bits)
     qmodel = qwen38_backend.load(tmp_path / "q", keep_quantized=keep)
-    packed = "QuantizedLinear" in type(qmodel.net.model.layers[0].mlp.up_proj).__name__
+    packed = "QuantizedLinear" in type(qmodel.net.model.layers[0].mlp.down_proj).__name__
     assert packed == keep
     # reference: the same architecture with the dequantized weights as plain floats
     deq_dir = tmp_path / "deq"

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..state import RewindError
+from .layers import can_fuse, fuse_linears, split_outputs
 
 CHUNK = 64
 
@@ -282,13 +283,14 @@ class GatedDeltaNet(nn.Module):
         if T <= self.recurrent_max_tokens:
             return self._recurrent_call(x, state)
         Hk, Hv, Dk, Dv = self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim
-        qkv = self._conv(self.in_proj_qkv(x), state)
+        qkv, z, b, a = self._project(x)
+        qkv = self._conv(qkv, state)
         q = qkv[:, : self.key_dim].reshape(T, Hk, Dk)
         k = qkv[:, self.key_dim : 2 * self.key_dim].reshape(T, Hk, Dk)
         v = qkv[:, 2 * self.key_dim :].reshape(T, Hv, Dv)
-        z = self.in_proj_z(x).reshape(T, Hv, Dv)
-        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
-        a = self.in_proj_a(x).astype(mx.float32)
+        z = z.reshape(T, Hv, Dv)
+        beta = mx.sigmoid(b.astype(mx.float32))
+        a = a.astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
             a + self.dt_bias.astype(mx.float32)
         )
@@ -313,10 +315,7 @@ class GatedDeltaNet(nn.Module):
         spec = self._core_spec()
         core = _decode_core(spec) if T == 1 else partial(_gdn_core, spec=spec)
         o, state.conv, state.recurrent = core(
-            self.in_proj_qkv(x),
-            self.in_proj_z(x),
-            self.in_proj_b(x),
-            self.in_proj_a(x),
+            *self._project(x),
             state.conv.astype(x.dtype),
             self.conv1d.weight[:, :, 0].astype(x.dtype),
             self.A_log,
@@ -326,6 +325,24 @@ class GatedDeltaNet(nn.Module):
         )
         state.length += T
         return self.out_proj(o)
+
+    _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def _project(self, x: mx.array) -> list[mx.array]:
+        """qkv, z, b, a: one fused matmul once `fuse()` ran, else four."""
+        if "in_proj_all" in self:
+            sizes = [self.conv_dim, self.value_dim, self.n_v_heads, self.n_v_heads]
+            return split_outputs(self.in_proj_all(x), sizes)
+        return [self[name](x) for name in self._PROJECTIONS]
+
+    def fuse(self) -> None:
+        """The four input projections as one matmul (after loading)."""
+        parts = [self[name] for name in self._PROJECTIONS]
+        if not can_fuse(parts):
+            return
+        self.in_proj_all = fuse_linears(parts)
+        for name in self._PROJECTIONS:
+            del self[name]
 
     def _core_spec(self) -> tuple:
         return (

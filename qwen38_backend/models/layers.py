@@ -9,6 +9,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+class _Derived:
+    """A value computed from a parameter, recomputed only when the parameter is replaced.
+    (A plain object, so nn.Module does not register it as a parameter.)"""
+
+    def __init__(self) -> None:
+        self.source: mx.array | None = None
+        self.value: mx.array | None = None
+
+    def get(self, source: mx.array, fn) -> mx.array:
+        if self.source is not source:
+            self.source, self.value = source, fn(source)
+        return self.value
+
+
 class RMSNorm(nn.Module):
     """RMSNorm; `zero_centered` stores w and scales by (1 + w), with 1 + w kept in fp32."""
 
@@ -17,12 +31,65 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.zero_centered = zero_centered
         self.weight = mx.zeros((dims,)) if zero_centered else mx.ones((dims,))
+        self._scale = _Derived()
 
     def __call__(self, x: mx.array) -> mx.array:
         if not self.zero_centered:
             return mx.fast.rms_norm(x, self.weight, self.eps)
-        scale = 1.0 + self.weight.astype(mx.float32)
+        # 1 + w once per weight, not once per call (two kernels saved on every norm)
+        scale = self._scale.get(self.weight, lambda w: 1.0 + w.astype(mx.float32))
         return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
+
+
+def fuse_linears(linears: list[nn.Module]) -> nn.Module:
+    """One linear whose output is the concatenation of `linears`' outputs (same input).
+
+    Fewer, larger matmuls per token: on a GPU each projection is a kernel launch. Works for
+    plain and affine-quantized linears (rows, scales and biases concatenate along outputs).
+    """
+    first = linears[0]
+    cat = {
+        key: mx.concatenate([m[key] for m in linears], axis=0)
+        for key in ("weight", "scales", "biases", "bias")
+        if key in first
+    }
+    if isinstance(first, nn.QuantizedLinear):
+        fused = nn.QuantizedLinear(
+            first.group_size, 1, bias="bias" in cat, group_size=first.group_size, bits=first.bits
+        )
+    else:
+        fused = nn.Linear(1, 1, bias="bias" in cat)
+    fused.update(cat)
+    mx.eval(fused.parameters())
+    return fused
+
+
+def can_fuse(linears: list[nn.Module]) -> bool:
+    kinds = {
+        (type(m), getattr(m, "group_size", 0), getattr(m, "bits", 0), "bias" in m) for m in linears
+    }
+    return len(kinds) == 1 and type(linears[0]) in (nn.Linear, nn.QuantizedLinear)
+
+
+def split_outputs(y: mx.array, sizes: list[int]) -> list[mx.array]:
+    """Split the last axis of a fused projection's output into the parts' sizes."""
+    cuts, total = [], 0
+    for n in sizes[:-1]:
+        total += n
+        cuts.append(total)
+    return mx.split(y, cuts, axis=-1)
+
+
+def fuse_projections(net: nn.Module) -> None:
+    """Call `fuse()` on every trunk module that offers it (after the weights are loaded).
+
+    The MTP draft head keeps its checkpoint layout (its tensors are inspected as such)."""
+    for name, module in net.named_modules():
+        if name.startswith("mtp"):
+            continue
+        fuse = getattr(module, "fuse", None)
+        if callable(fuse):
+            fuse()
 
 
 @dataclass(frozen=True)
@@ -131,19 +198,34 @@ class Attention(nn.Module):
         """Return roped q [1,H,T,D], k and v [1,Hkv,T,D], and the gate [T, H*D] (or None)."""
         T = x.shape[0]
         H, D = self.n_heads, self.head_dim
-        q = self.q_proj(x)
+        if "qkv_proj" in self:
+            q, k, v = split_outputs(self.qkv_proj(x), self._qkv_sizes)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
         if self.output_gate:
             q = q.reshape(T, H, 2 * D)
             q, gate = q[..., :D], q[..., D:].reshape(T, H * D)
         q = q.reshape(1, T, H, D)
-        k = self.k_proj(x).reshape(1, T, self.n_kv_heads, D)
-        v = self.v_proj(x).reshape(1, T, self.n_kv_heads, D)
+        k = k.reshape(1, T, self.n_kv_heads, D)
+        v = v.reshape(1, T, self.n_kv_heads, D)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rope(q.transpose(0, 2, 1, 3), offset)
         k = self.rope(k.transpose(0, 2, 1, 3), offset)
         return q, k, v.transpose(0, 2, 1, 3), gate
+
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one fused matmul (after loading)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if not can_fuse(parts):
+            return
+        self._qkv_sizes = [p.weight.shape[0] for p in parts]
+        if isinstance(parts[0], nn.QuantizedLinear):
+            self._qkv_sizes = [p.scales.shape[0] for p in parts]
+        self.qkv_proj = fuse_linears(parts)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del self[name]
 
     def __call__(self, x: mx.array, kv, offset: int) -> mx.array:
         q, k, v, gate = self.project_qkv(x, offset)
@@ -169,5 +251,15 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
+    def fuse(self) -> None:
+        """gate and up as one matmul (after loading)."""
+        if not can_fuse([self.gate_proj, self.up_proj]):
+            return
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self["gate_proj"], self["up_proj"]
+
     def __call__(self, x: mx.array) -> mx.array:
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+            return self.down_proj(swiglu(gate, up))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
