@@ -81,7 +81,7 @@ def main() -> None:
     layers = net.model.layers
     gdn_i = next(i for i, layer in enumerate(layers) if hasattr(layer, "linear_attn"))
     att_i = next(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))
-    gdn, att = layers[gdn_i], layers[att_i]
+    gdn = layers[gdn_i]
     out["gdn_mixer_us"] = timeit(lambda: gdn.linear_attn(x, state.layers[gdn_i].__class__())) * 1e6
     out["mlp_us"] = timeit(lambda: gdn.mlp(x)) * 1e6
     out["norm_us"] = timeit(lambda: gdn.input_layernorm(x)) * 1e6
