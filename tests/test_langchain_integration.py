@@ -14,7 +14,10 @@ import asyncio
 import atexit
 import functools
 import inspect
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -408,3 +411,20 @@ def test_demo_structured_output_is_validated_pydantic(demo_gguf: Path) -> None:
     person = structured.invoke("Alice is 30 years old and lives in Paris. Extract the person.")
     assert isinstance(person, Person)
     assert person.name.strip().lower().startswith("alice") and person.age == 30, person
+
+
+def test_prefix_reused_across_processes(isolated_home: Path) -> None:
+    """Another process ran this conversation; its checkpoint (prefix store under
+    QWEN38_HOME) spares this process the prefill."""
+    path = tiny_model("qwen3")
+    prompt = "Please summarise the history of the Roman empire in one line."
+    script = (
+        "from langchain_qwen38 import ChatQwen38\n"
+        f"ChatQwen38(model={path!r}, reasoning=False, max_tokens=8).invoke({prompt!r})\n"
+    )
+    env = {**os.environ, "QWEN38_HOME": str(isolated_home)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    # a model name this process has not loaded yet: a fresh engine with no live state
+    fresh = str(Path(path).resolve()) + os.sep
+    msg = ChatQwen38(model=fresh, reasoning=False, max_tokens=8).invoke(prompt)
+    assert msg.usage_metadata and msg.usage_metadata["input_token_details"]["cache_read"] > 0

@@ -212,8 +212,13 @@ class ChatQwen38(BaseChatModel):
 
     def _prepare(
         self, engine: Engine, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
-    ) -> tuple[list[int], dict[str, Any]]:
-        """Render the prompt to token ids and build the generation options."""
+    ) -> tuple[list[int], list[dict[str, Any]], dict[str, Any]]:
+        """(prompt token ids, template messages, Session.generate options).
+
+        The session renders the messages itself again (it snapshots at the message boundary,
+        which recurrent models need to reuse a conversation); rendering here too tells which
+        session holds the longest prefix and whether the prompt opens a <think> block.
+        """
         kwargs = dict(kwargs)
         model = engine.model
         tok = model.tokenizer
@@ -271,7 +276,8 @@ class ChatQwen38(BaseChatModel):
                 processors.append(qc.json_schema_processor(model, schema, thinking=thinking))
         if processors:
             sampling["logits_processors"] = processors
-        return ids, {**sampling, **engine_opts}
+        options = {**template_kwargs, **sampling, **engine_opts, "tools": template_tools}
+        return ids, dicts, options
 
     def _job(
         self,
@@ -295,13 +301,13 @@ class ChatQwen38(BaseChatModel):
 
         try:
             check()
-            ids, options = self._prepare(engine, messages, stop, kwargs)
+            ids, dicts, options = self._prepare(engine, messages, stop, kwargs)
             session = engine.acquire_session(ids)
             if options.get("seed") is not None and session.state is not None:
                 # the live state carries the previous call's RNG key, which would override
                 # the seed: drop it so a seed reproduces its output
                 session.state.extras.pop("rng_key", None)
-            events = session.generate(ids, **options)
+            events = session.generate(dicts, **options)
             try:
                 for chunk in self._chunks_from_events(events, model_name, check):
                     emit(("chunk", chunk))

@@ -10,9 +10,10 @@ Loaded engines live for the process; their worker threads are idle between calls
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +38,36 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+class _Worker:
+    """A daemon thread running submitted jobs in order, for the life of the process.
+
+    Not a ThreadPoolExecutor: its threads exit at interpreter shutdown, and a thread that
+    used MLX (mlx 0.32, CPU) exiting makes the process abort ("terminate called without an
+    active exception"). A daemon thread that never exits does not.
+    """
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple, dict]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                future.set_exception(e)
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+
 class Engine:
     """One loaded Model, its sessions, and the one thread every use of it runs on.
 
@@ -49,12 +80,12 @@ class Engine:
     def __init__(self, name: str):
         self.name = name
         self.model: Model | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"qwen38:{name}")
+        self._worker = _Worker(f"qwen38:{name}")
         self._sessions: list[Session] = []  # least recently used first
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Run fn on the engine thread."""
-        return self._executor.submit(fn, *args, **kwargs)
+        return self._worker.submit(fn, *args, **kwargs)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run fn on the engine thread and wait for its result."""
@@ -81,8 +112,9 @@ class Engine:
         return best
 
     def close(self) -> None:
-        """Stop the worker thread once its queued jobs are done."""
-        self._executor.shutdown(wait=False)
+        """Drop the model and live states (the idle worker thread stays, see _Worker)."""
+        self.submit(self._sessions.clear)
+        self.model = None
 
     def reset(self) -> None:
         """Forget every live state (their memory is freed with them)."""
