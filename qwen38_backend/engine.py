@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +15,9 @@ from .errors import InvalidOptionError
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
 from .sampling import Sampler, SamplingParams
 from .state import SequenceState
+
+if TYPE_CHECKING:
+    from .session import Session
 
 
 @dataclass
@@ -182,7 +185,9 @@ class Model:
             stats.kv = collect_kv_stats(state)
 
     def _decode(self, logits, state, params, stats) -> Iterator[int]:
-        sampler = Sampler(params, key=state.extras.get("rng_key"))
+        # an explicit seed starts its own stream; otherwise continue the sequence's RNG
+        key = None if params.seed is not None else state.extras.get("rng_key")
+        sampler = Sampler(params, key=key)
         stop_ids = set(
             self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         )

@@ -27,6 +27,7 @@ __all__ = [
     "StreamParser",
     "parse_completion",
     "parse_tool_call",
+    "parameter_types",
     "new_call_id",
 ]
 
@@ -66,12 +67,16 @@ _FUNCTION_RE = re.compile(r"\A\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.
 _PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
-def _xml_value(raw: str) -> Any:
+def _xml_value(raw: str, declared: str | None = None) -> Any:
+    """An XML parameter's value: the tool schema's declared type decides when known
+    (a string parameter stays text even if it looks like a number); else JSON if it parses."""
     # The newline after <parameter=...> and before </parameter> belongs to the format.
     if raw.startswith("\n"):
         raw = raw[1:]
     if raw.endswith("\n"):
         raw = raw[:-1]
+    if declared == "string":
+        return raw.strip()
     try:
         value = json.loads(raw)
     except ValueError:
@@ -79,15 +84,35 @@ def _xml_value(raw: str) -> Any:
     return raw.strip() if isinstance(value, str) else value
 
 
-def parse_tool_call(body: str) -> ToolCall | None:
-    """Parse the text between <tool_call> and </tool_call>; None when it is malformed."""
+def parameter_types(tools: list | None) -> dict[str, dict[str, str]]:
+    """tool name -> {parameter: JSON-schema type} from OpenAI-style tool specs."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools or []:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or "name" not in fn:
+            continue
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        out[fn["name"]] = {
+            p: spec.get("type")
+            for p, spec in props.items()
+            if isinstance(spec, dict) and isinstance(spec.get("type"), str)
+        }
+    return out
+
+
+def parse_tool_call(body: str, types: dict[str, dict[str, str]] | None = None) -> ToolCall | None:
+    """Parse the text between <tool_call> and </tool_call>; None when it is malformed.
+
+    types: `parameter_types(tools)`, so XML values follow the declared parameter types."""
     m = _FUNCTION_RE.match(body)
     if m:
         name = m.group(1).strip()
         inner = m.group(2)
+        declared = (types or {}).get(name, {})
         args: dict[str, Any] = {}
         for pm in _PARAM_RE.finditer(inner):
-            args[pm.group(1).strip()] = _xml_value(pm.group(2))
+            key = pm.group(1).strip()
+            args[key] = _xml_value(pm.group(2), declared.get(key))
         leftover = _PARAM_RE.sub("", inner)
         if not name or leftover.strip():
             return None
@@ -144,7 +169,9 @@ class StreamParser:
         think_close: str = "</think>",
         tool_open: str = "<tool_call>",
         tool_close: str = "</tool_call>",
+        tools: list | None = None,
     ) -> None:
+        self.types = parameter_types(tools)
         self.think_open, self.think_close = think_open, think_close
         self.tool_open, self.tool_close = tool_open, tool_close
         self._mode = "reasoning" if start_in_reasoning else "text"
@@ -182,7 +209,7 @@ class StreamParser:
                 pass
             buf, self._buf = self._buf, ""
             if self._mode == "tool":
-                call = parse_tool_call(buf)
+                call = parse_tool_call(buf, self.types)
                 if call is not None:
                     self._tool_calls += 1
                     events.append(Event("tool_call", tool_call=call))
@@ -213,7 +240,7 @@ class StreamParser:
             if i < 0:
                 return False
             body, self._buf = buf[:i], buf[i + len(self.tool_close) :]
-            call = parse_tool_call(body)
+            call = parse_tool_call(body, self.types)
             if call is not None:
                 self._tool_calls += 1
                 events.append(Event("tool_call", tool_call=call))

@@ -229,7 +229,7 @@ class Session:
         stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
         self.last_stats = stats
         tokens = self._run(ids, boundary, state, params, stats, pending, recurrent)
-        yield from self._events(TokenStream(tokens, stats), prompt_text, params, pending)
+        yield from self._events(TokenStream(tokens, stats), prompt_text, params, pending, tools)
 
     def _run(self, ids, boundary, state, params, stats, pending, recurrent) -> Iterator[int]:
         """Engine.run with stops at the message and prompt boundaries to mark / snapshot."""
@@ -276,11 +276,12 @@ class Session:
         prompt_text: str,
         params: SamplingParams,
         pending: list[StateSnapshot],
+        tools: list | None = None,
     ) -> Iterator[Event]:
         tok = self.model.tokenizer
         state = self.state
         detok = tok.detokenizer()
-        parser = StreamParser(start_in_reasoning=_opens_reasoning(prompt_text))
+        parser = StreamParser(start_in_reasoning=_opens_reasoning(prompt_text), tools=tools)
         stops = StopStringFilter(params.stop)
         stop_ids = set(
             self.model.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids

@@ -238,3 +238,28 @@ def test_chunking_never_changes_the_result(pieces: list[str], cuts: list[int], s
     if "<tool_call>" not in text:
         kept = "".join(e.text for e in events)
         assert re.sub(r"\s|</?think>", "", kept) == re.sub(r"\s|</?think>", "", text)
+
+
+def test_xml_values_follow_the_declared_parameter_types():
+    from qwen38_backend.events import StreamParser
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"code": {"type": "string"}, "n": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    body = (
+        "<tool_call>\n<function=f>\n<parameter=code>\n123\n</parameter>\n"
+        "<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>"
+    )
+    typed = [e for e in StreamParser(tools=tools).feed(body) if e.type == "tool_call"]
+    untyped = [e for e in StreamParser().feed(body) if e.type == "tool_call"]
+    assert typed[0].tool_call.arguments == {"code": "123", "n": 7}
+    assert untyped[0].tool_call.arguments == {"code": 123, "n": 7}

@@ -84,3 +84,30 @@ def test_same_seed_same_stream_different_seed_differs(tmp_path):
 def test_invalid_options_are_refused(options):
     with pytest.raises(InvalidOptionError):
         SamplingParams.from_options(**options)
+
+
+def test_seed_wins_over_a_reused_states_rng(tmp_path):
+    """A seeded call on a state that already carries an RNG key gives the seeded stream."""
+    from qwen38_backend.sampling import SamplingParams
+
+    model = qwen38_backend.load(dense_fixture("qwen2", tmp_path))
+    prompt = [5, 9, 40]
+    fresh = list(
+        model.generate_tokens(prompt, max_tokens=20, temperature=1.0, seed=11, stop_token_ids=[])
+    )
+    state = model.new_state()
+    list(
+        model.run(
+            [1, 2], state, SamplingParams(max_tokens=3, temperature=1.0, seed=3, stop_token_ids=[])
+        )
+    )
+    assert "rng_key" in state.extras
+    state.truncate(0)
+    reused = list(
+        model.run(
+            prompt,
+            state,
+            SamplingParams(max_tokens=20, temperature=1.0, seed=11, stop_token_ids=[]),
+        )
+    )
+    assert reused == fresh
