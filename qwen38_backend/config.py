@@ -53,7 +53,8 @@ def field(cfg: dict, key: str, kind: type, default: Any = _MISSING, where: str =
         value = int(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(
-            f"{where}: field {key!r} should be {kind.__name__}, got {type(value).__name__} {value!r}"
+            f"{where}: field {key!r} should be {kind.__name__}, "
+            f"got {type(value).__name__} {value!r}"
         )
     if kind in (int, float) and value < 0:
         raise ConfigError(f"{where}: field {key!r} must not be negative, got {value}")

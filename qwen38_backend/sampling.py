@@ -40,7 +40,8 @@ class SamplingParams:
         unknown = sorted(set(options) - known)
         if unknown:
             raise InvalidOptionError(
-                f"unknown sampling option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"unknown sampling option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
             )
         return cls(**{k: v for k, v in options.items() if v is not None or k == "seed"})
 

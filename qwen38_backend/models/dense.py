@@ -118,7 +118,7 @@ class DenseModel(nn.Module):
         """Final-normed hidden states [T, hidden]."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
-        for layer, kv in zip(self.model.layers, state.layers):
+        for layer, kv in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, kv, offset)
         return self.model.norm(h)
 
