@@ -1,6 +1,6 @@
 """Load the demo model, stream a chat answer, then ask a follow-up that reuses the prefix.
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 from __future__ import annotations
