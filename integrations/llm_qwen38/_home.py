@@ -1,4 +1,4 @@
-"""Where the plugin keeps its data, read without importing the engine (stdlib + llm only).
+"""Where the plugin keeps its data, read without importing MLX (stdlib, llm, the registry).
 
 Everything lives under `llm.user_dir()/qwen38` (so LLM_USER_PATH moves it): the model
 registry and demo cache (as QWEN38_HOME, unless the user set QWEN38_HOME), the prefix
@@ -39,19 +39,20 @@ def checkpoints_dir() -> Path:
 
 
 def read_registry() -> dict[str, Any]:
-    """The engine's registry.json as a dict (empty when absent or unreadable).
+    """The engine's registry as {"models": {name: entry}, "default": name or None}.
 
-    Read directly because importing qwen38_backend.loading pulls in MLX, and this runs on
-    every `llm` start-up (model listing). Writes go through the engine's Registry.
+    qwen38_backend.loading.registry imports no MLX, so this stays cheap on every `llm`
+    start-up; an unreadable registry lists nothing rather than breaking every command.
     """
-    path = ensure_home() / "registry.json"
+    ensure_home()
+    from qwen38_backend.errors import Qwen38Error
+    from qwen38_backend.loading.registry import Registry
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        reg = Registry()
+        return {"models": reg.list(), "default": reg.default}
+    except Qwen38Error:
         return {"models": {}, "default": None}
-    if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
-        return {"models": {}, "default": None}
-    return data
 
 
 def registered_names() -> list[str]:
@@ -59,8 +60,7 @@ def registered_names() -> list[str]:
 
 
 def default_name() -> str | None:
-    name = read_registry().get("default")
-    return name if isinstance(name, str) else None
+    return read_registry()["default"]
 
 
 def settings() -> dict[str, Any]:
