@@ -10,7 +10,6 @@ Loaded engines live for the process; their worker threads are idle between calls
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,6 +18,7 @@ from typing import Any, TypeVar
 
 from qwen38_backend.engine import Model
 from qwen38_backend.session import Session
+from qwen38_backend.worker import engine_thread
 
 T = TypeVar("T")
 
@@ -38,49 +38,18 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-class _Worker:
-    """A daemon thread running submitted jobs in order, for the life of the process.
-
-    Not a ThreadPoolExecutor: its threads exit at interpreter shutdown, and a thread that
-    used MLX (mlx 0.32, CPU) exiting makes the process abort ("terminate called without an
-    active exception"). A daemon thread that never exits does not.
-    """
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple, dict]] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            future, fn, args, kwargs = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as e:  # noqa: BLE001 - delivered through the future
-                future.set_exception(e)
-
-    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        future: Future[T] = Future()
-        self._jobs.put((future, fn, args, kwargs))
-        return future
-
-
 class Engine:
     """One loaded Model, its sessions, and the one thread every use of it runs on.
 
-    MLX binds lazily evaluated arrays to the thread (stream) that created them: a session
-    state built on one thread cannot be evaluated on another. So each Engine owns a single
-    worker thread; loading, rendering, constrained-decoding masks and generation all run
-    there, one job at a time (which also serialises concurrent callers).
+    MLX binds lazily evaluated arrays to the thread (stream) that created them, so loading,
+    rendering, constrained-decoding masks and generation all run on the process-wide engine
+    thread (qwen38_backend.worker), one job at a time.
     """
 
     def __init__(self, name: str):
         self.name = name
         self.model: Model | None = None
-        self._worker = _Worker(f"qwen38:{name}")
+        self._worker = engine_thread()
         self._sessions: list[Session] = []  # least recently used first
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -112,7 +81,7 @@ class Engine:
         return best
 
     def close(self) -> None:
-        """Drop the model and live states (the idle worker thread stays, see _Worker)."""
+        """Drop the model and live states (the engine thread stays, see worker.py)."""
         self.submit(self._sessions.clear)
         self.model = None
 

@@ -1,6 +1,6 @@
 """The heavy half of the plugin: loaded models, live sessions, and the engine worker thread.
 
-All MLX work (loading and generation) runs on one dedicated daemon thread: MLX streams are
+All MLX work (loading and generation) runs on the engine thread (qwen38_backend.worker): MLX streams are
 thread-local (arrays made on one thread cannot be evaluated on another), so sync and async
 callers must share one engine thread; it never exits, because a thread that used MLX
 exiting at interpreter shutdown can abort the process. Events come back through a queue.
@@ -33,9 +33,6 @@ from . import _home, _prefix
 DEFAULT_MAX_TOKENS = 4096
 MAX_SESSIONS = 8  # live conversations kept per process (LRU)
 
-_JOBS: queue.Queue = queue.Queue()
-_ENGINE_LOCK = threading.Lock()
-_ENGINE: threading.Thread | None = None
 _MODELS: dict[Path, Any] = {}
 _SESSIONS: OrderedDict[tuple[Path, str], Any] = OrderedDict()
 
@@ -346,19 +343,10 @@ class _Error:
 _END = object()
 
 
-def _engine_loop() -> None:
-    while True:
-        job = _JOBS.get()
-        job()
-
-
 def _submit(job: Callable[[], None]) -> None:
-    global _ENGINE
-    with _ENGINE_LOCK:
-        if _ENGINE is None or not _ENGINE.is_alive():
-            _ENGINE = threading.Thread(target=_engine_loop, name="qwen38-engine", daemon=True)
-            _ENGINE.start()
-    _JOBS.put(job)
+    from qwen38_backend.worker import engine_thread
+
+    engine_thread().submit(job)
 
 
 def _work(request: Request, put: Callable[[Any], None]) -> None:
