@@ -1,9 +1,8 @@
 """The heavy half of the plugin: loaded models, live sessions, and the engine worker thread.
 
-All MLX work (loading and generation) runs on the engine thread (qwen38_backend.worker): MLX streams are
-thread-local (arrays made on one thread cannot be evaluated on another), so sync and async
-callers must share one engine thread; it never exits, because a thread that used MLX
-exiting at interpreter shutdown can abort the process. Events come back through a queue.
+All MLX work (loading and generation) runs on the engine thread (qwen38_backend.worker):
+MLX streams are thread-local, so sync and async callers must share one thread, and it never
+exits (see worker.py). Events come back through a queue.
 Per process:
 - models are loaded once per resolved path;
 - one Session per (model, conversation id) keeps its KV state between turns, so `llm chat`
