@@ -1,0 +1,76 @@
+"""Quest page metadata and selection (Tang et al., 2024), in plain MLX ops on device.
+
+Each sealed page keeps, per KV head, the elementwise min and max of its keys. For a query q
+the Quest bound of a page is sum_d max(q_d * min_d, q_d * max_d), an upper bound of q . k for
+every key k in the page. Since max(q*lo, q*hi) = relu(q) * hi + min(q, 0) * lo, the bound is two
+matmuls, and summing it over the query heads of a KV group is the same two matmuls applied to
+the group's summed relu(q) and min(q, 0).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_SIGN = 0x80000000
+_LOW32 = 0xFFFFFFFF
+
+
+def page_min_max(rows: mx.array) -> tuple[mx.array, mx.array]:
+    """rows [Hkv, n_pages, page_tokens, D] -> per head and page min, max [Hkv, n_pages, D] fp32."""
+    rows = rows.astype(mx.float32)
+    return rows.min(axis=2), rows.max(axis=2)
+
+
+def quest_scores(q: mx.array, kmin: mx.array, kmax: mx.array) -> mx.array:
+    """Quest bound per KV head and page, summed over each KV group's query heads.
+
+    q: [Hq, D] (one decode position); kmin, kmax: [Hkv, n_pages, D]. Returns [Hkv, n_pages]
+    in fp32.
+    """
+    hkv, _, d = kmin.shape
+    qg = q.astype(mx.float32).reshape(hkv, -1, d)
+    qpos = mx.maximum(qg, 0.0).sum(axis=1, keepdims=True)  # [Hkv, 1, D]
+    qneg = mx.minimum(qg, 0.0).sum(axis=1, keepdims=True)
+    hi = qpos @ kmax.astype(mx.float32).swapaxes(1, 2)
+    lo = qneg @ kmin.astype(mx.float32).swapaxes(1, 2)
+    return (hi + lo)[:, 0, :]
+
+
+def order_keys(scores: mx.array) -> mx.array:
+    """A uint64 per page whose order is (higher score, then lower page id): ties are exact.
+
+    Floats map to uint32 in an order-preserving way (flip all bits of negatives, set the sign
+    bit of positives); the low 32 bits hold the complement of the page id.
+    """
+    # + 0.0 turns -0.0 into +0.0, so equal scores get equal high bits.
+    bits = mx.view(scores.astype(mx.float32) + 0.0, mx.uint32)
+    neg = (bits & _SIGN) != 0
+    ordered = mx.where(neg, ~bits, bits | _SIGN).astype(mx.uint64)
+    ids = mx.arange(scores.shape[-1], dtype=mx.uint64)
+    return (ordered << 32) | (_LOW32 - ids)
+
+
+def select_pages(scores: mx.array, forced: mx.array | None, n_select: int) -> mx.array:
+    """Per KV head, the n_select pages to attend: forced pages, then the best by score.
+
+    scores: [Hkv, n_pages]; forced: bool [n_pages] (sinks and the recent window) or None.
+    Returns int32 [Hkv, n_select], ascending page ids per head.
+    """
+    n_pages = scores.shape[-1]
+    if forced is not None:
+        scores = mx.where(forced, mx.array(float("inf"), mx.float32), scores)
+    if n_select >= n_pages:
+        return mx.broadcast_to(mx.arange(n_pages, dtype=mx.int32), scores.shape)
+    keys = order_keys(scores)
+    # ~key ascending == key descending; keys are unique, so the top set is exact.
+    top = mx.argpartition(~keys, kth=n_select - 1, axis=-1)[:, :n_select]
+    return mx.sort(top.astype(mx.int32), axis=-1)
+
+
+def forced_pages(n_pages: int, sink_pages: int, recent_pages: int) -> tuple[mx.array, int]:
+    """Mask of the pages always selected (first sinks, last page plus recent sealed ones)."""
+    first_recent = max(n_pages - 1 - recent_pages, 0)
+    sinks = min(sink_pages, n_pages)
+    count = sinks + n_pages - max(first_recent, sinks)
+    ids = mx.arange(n_pages)
+    return (ids < sinks) | (ids >= first_recent), count

@@ -1,0 +1,357 @@
+"""Paged KV: dense equivalence, sparse gather, metadata, rewind, snapshots, memory, options."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import qwen38_backend
+from qwen38_backend.errors import InvalidOptionError
+from qwen38_backend.kv import PagedKV, collect_kv_stats, make_kv_factory
+from qwen38_backend.kv.contiguous import ContiguousKV
+from qwen38_backend.models import build_model
+from qwen38_backend.models.load import load_into
+from qwen38_backend.sampling import SamplingParams
+from tests.helpers import DENSE_ARCHS, dense_fixture
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dense"
+P = 16
+LENGTHS = (1, P - 1, P, P + 1, 6 * P + 5)  # page-boundary lengths and many pages
+N_TOKENS = 200
+
+
+def load_dense_net(arch: str):
+    d = FIXTURES / arch
+    net = build_model(json.loads((d / "config.json").read_text()))
+    load_into(net, mx.load(str(d / "model.safetensors")), {}, mx.float32)
+    return net
+
+
+def prompt(length: int, vocab: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed + length)
+    return rng.integers(10, min(vocab, 32000) - 10, size=length).tolist()
+
+
+def net_greedy(net, ids: list[int], factory, n: int = N_TOKENS, chunk: int = 24) -> list[int]:
+    """Greedy decode straight on the nn.Module (chunked prefill that cuts pages mid-way)."""
+    state = net.make_state(kv_factory=factory)
+    for s in range(0, len(ids), chunk):
+        logits = net(mx.array(ids[s : s + chunk]), state, last_only=True)
+        state.advance(ids[s : s + chunk])
+    out = []
+    for _ in range(n):
+        token = int(mx.argmax(logits[-1]).item())
+        out.append(token)
+        logits = net(mx.array([token]), state, last_only=True)
+        state.advance([token])
+    return out
+
+
+FULL = functools.partial(PagedKV, page_tokens=P, topk=10**6)
+FULL_GATHER = functools.partial(PagedKV, page_tokens=P, topk=10**6, always_select=True)
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
+def test_full_selection_equals_dense_on_dense_fixtures(arch):
+    net = load_dense_net(arch)
+    for length in LENGTHS:
+        ids = prompt(length, net.config.vocab_size)
+        ref = net_greedy(net, ids, ContiguousKV)
+        assert net_greedy(net, ids, FULL) == ref, f"dense route, prompt {length}"
+        # The gather path (every page selected through the Quest machinery) too.
+        assert net_greedy(net, ids, FULL_GATHER) == ref, f"gather route, prompt {length}"
+
+
+def model_streams_equal(model) -> None:
+    vocab = model.config.vocab_size
+    params = SamplingParams.from_options(max_tokens=N_TOKENS, stop_token_ids=[])
+    for length in LENGTHS:
+        ids = prompt(length, vocab)
+        ref = list(model.generate_tokens(ids, N_TOKENS, stop_token_ids=[], kv_paged="off"))
+        assert len(ref) == N_TOKENS
+        paged = model.generate_tokens(
+            ids, N_TOKENS, stop_token_ids=[], kv_paged="on", kv_topk=10**6, kv_page_tokens=P
+        )
+        assert list(paged) == ref, f"dense route, prompt {length}"
+        assert paged.stats.kv["pages_resident"] > 0
+        state = model.net.make_state(kv_factory=FULL_GATHER)
+        assert list(model.run(ids, state, params)) == ref, f"gather route, prompt {length}"
+
+
+@pytest.mark.demo
+def test_full_selection_equals_dense_demo(demo_model):
+    model_streams_equal(demo_model)
+
+
+def test_full_selection_equals_dense_tiny_qwen3_5(tmp_path):
+    from qwen38_backend.testing import make_tiny_checkpoint
+
+    model = qwen38_backend.load(str(make_tiny_checkpoint("qwen3_5", tmp_path / "q", seed=3)))
+    model_streams_equal(model)
+
+
+# ----- the store on synthetic data ---------------------------------------------------------
+def filled_store(hkv=2, d=8, length=37, page=4, seed=0, chunks=(5, 1, 1, 9, 2, 1, 30), **kw):
+    """A PagedKV written in uneven chunks (decode singles and prefill blocks)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.normal(size=(hkv, length, d)).astype(np.float32)
+    values = rng.normal(size=(hkv, length, d)).astype(np.float32)
+    store = PagedKV(page_tokens=page, **kw)
+    pos, i = 0, 0
+    while pos < length:
+        n = min(chunks[i % len(chunks)], length - pos)
+        store.append(mx.array(keys[:, pos : pos + n]), mx.array(values[:, pos : pos + n]))
+        pos, i = pos + n, i + 1
+    return store, keys, values
+
+
+def test_metadata_is_min_max_of_each_page():
+    store, keys, _ = filled_store(length=38, page=4)
+    n_sealed = 38 // 4
+    pages = keys[:, : n_sealed * 4].reshape(2, n_sealed, 4, 8)
+    np.testing.assert_array_equal(np.array(store.kmin[:, :n_sealed]), pages.min(axis=2))
+    np.testing.assert_array_equal(np.array(store.kmax[:, :n_sealed]), pages.max(axis=2))
+    np.testing.assert_array_equal(np.array(store.open_min), keys[:, 36:].min(axis=1))
+    np.testing.assert_array_equal(np.array(store.open_max), keys[:, 36:].max(axis=1))
+    # The pool seen in the DESIGN layout [slots, page, heads, dim] holds the rows.
+    view = np.array(store.pool.pages_view("k"))
+    np.testing.assert_array_equal(view[:9].reshape(36, 2, 8), keys[:, :36].transpose(1, 0, 2))
+
+
+def reference_attention(q, keys, values, pages_per_head, length, page, scale):
+    """numpy attention of q [Hq, D] over each head's selected pages."""
+    hkv = keys.shape[0]
+    group = q.shape[0] // hkv
+    out = np.zeros_like(q, dtype=np.float64)
+    for h in range(hkv):
+        rows = [r for p in pages_per_head[h] for r in range(p * page, min((p + 1) * page, length))]
+        k, v = keys[h, rows].astype(np.float64), values[h, rows].astype(np.float64)
+        for g in range(group):
+            s = k @ q[h * group + g] * scale
+            w = np.exp(s - s.max())
+            out[h * group + g] = (w / w.sum()) @ v
+    return out
+
+
+def test_sparse_decode_attends_over_each_heads_own_pages():
+    differs = False
+    for seed in range(6):
+        store, keys, values = filled_store(seed=seed, topk=12, sinks=4, recent=4)
+        rng = np.random.default_rng(100 + seed)
+        k_new = rng.normal(size=(2, 1, 8)).astype(np.float32)
+        v_new = rng.normal(size=(2, 1, 8)).astype(np.float32)
+        q = rng.normal(size=(6, 8)).astype(np.float32)
+        out = store.attend(
+            mx.array(q)[None, :, None], mx.array(k_new)[None], mx.array(v_new)[None], 0.3
+        )
+        keys = np.concatenate([keys, k_new], axis=1)
+        values = np.concatenate([values, v_new], axis=1)
+        n_pages, n_sel = store.selection_size()
+        assert (n_pages, n_sel) == (10, 3)
+        pages = np.array(store.select(mx.array(q), n_sel))
+        # Forced: sink page 0, the last page and one recent page: nothing left for top-k.
+        assert [list(p) for p in pages] == [[0, 8, 9], [0, 8, 9]]
+        ref = reference_attention(q, keys, values, pages, 38, 4, 0.3)
+        np.testing.assert_allclose(np.array(out)[0, :, 0], ref, rtol=1e-5, atol=1e-5)
+    for seed in range(6):
+        store, keys, values = filled_store(seed=seed, length=40, topk=16, sinks=4, recent=0)
+        q = np.random.default_rng(seed).normal(size=(6, 8)).astype(np.float32) * 4
+        out = store.attend(
+            mx.array(q)[None, :, None],
+            mx.array(keys[:, -1:])[None],
+            mx.array(values[:, -1:])[None],
+            0.3,
+        )
+        keys = np.concatenate([keys, keys[:, -1:]], axis=1)
+        values = np.concatenate([values, values[:, -1:]], axis=1)
+        pages = np.array(store.select(mx.array(q), 4))
+        differs |= not (pages[0] == pages[1]).all()
+        ref = reference_attention(q, keys, values, pages, 41, 4, 0.3)
+        np.testing.assert_allclose(np.array(out)[0, :, 0], ref, rtol=1e-5, atol=1e-5)
+        assert store.stats["sparse_steps"] == 1
+    assert differs, "per-head selection never differed between heads: not exercised"
+
+
+def assert_same_store(a: PagedKV, b: PagedKV) -> None:
+    assert a.length == b.length and len(a.table) == len(b.table)
+    n_sealed = a.length // a.page_tokens
+    if a.length == 0:
+        return
+    for x, y in zip(a._dense_kv(), b._dense_kv(), strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    np.testing.assert_array_equal(np.array(a.kmin[:, :n_sealed]), np.array(b.kmin[:, :n_sealed]))
+    np.testing.assert_array_equal(np.array(a.kmax[:, :n_sealed]), np.array(b.kmax[:, :n_sealed]))
+    if a.length % a.page_tokens:
+        np.testing.assert_array_equal(np.array(a.open_min), np.array(b.open_min))
+        np.testing.assert_array_equal(np.array(a.open_max), np.array(b.open_max))
+    else:
+        assert a.open_min is None and b.open_min is None
+
+
+@pytest.mark.parametrize("cut", [45, 44, 40, 1, 0])
+def test_truncate_unseals_and_frees_pages(cut):
+    full, keys, values = filled_store(length=70, page=8, seed=1)
+    free_before = full.pool.free_slots
+    full.truncate(cut)
+    assert len(full.table) == math.ceil(cut / 8)
+    assert full.pool.free_slots == free_before + math.ceil(70 / 8) - math.ceil(cut / 8)
+    fresh = PagedKV(page_tokens=8)
+    if cut:
+        fresh.append(mx.array(keys[:, :cut]), mx.array(values[:, :cut]))
+    assert_same_store(full, fresh)
+    # Writing on from the cut seals pages exactly as if the rewound rows never existed.
+    full.append(mx.array(keys[:, cut:]), mx.array(values[:, cut:]))
+    whole = PagedKV(page_tokens=8)
+    whole.append(mx.array(keys), mx.array(values))
+    assert_same_store(full, whole)
+
+
+def test_snapshot_holds_live_rows_and_restores_exactly():
+    store, keys, values = filled_store(length=50, page=8, seed=2)
+    snap = store.snapshot()
+    assert all(isinstance(v, mx.array) for v in snap.values())
+    assert snap["keys"].shape == (2, 50, 8) and snap["page_table"].shape == (7,)
+    assert snap["quest_min"].shape == (2, 6, 8) and "open_min" in snap
+    more = np.ones((2, 20, 8), np.float32)
+    store.append(mx.array(more), mx.array(more))
+    np.testing.assert_array_equal(np.array(snap["keys"]), keys)  # later writes do not leak in
+    other = PagedKV(page_tokens=8)
+    other.restore(snap)
+    original, _, _ = filled_store(length=50, page=8, seed=2)
+    assert_same_store(other, original)
+    # Another page size: metadata rebuilt from the restored rows.
+    resized = PagedKV(page_tokens=16)
+    resized.restore(snap)
+    direct = PagedKV(page_tokens=16)
+    direct.append(mx.array(keys), mx.array(values))
+    assert_same_store(resized, direct)
+    other.restore({})
+    assert other.length == 0 and other.pool.free_slots == other.pool.capacity
+
+
+def test_session_rewind_reuses_paged_state(tmp_path):
+    model = qwen38_backend.load(str(dense_fixture("qwen3", tmp_path)))
+    opts = {"kv_paged": "on", "kv_topk": 32, "kv_page_tokens": 8, "max_tokens": 12}
+    ids = prompt(70, model.config.vocab_size)
+    session = model.session(**opts)
+    list(session.generate(ids))
+    list(session.generate(ids[:50] + [11, 12, 13]))  # truncates the live state to 50
+    assert session.last_stats.cached_tokens == 50
+    cached_stream = session.state.tokens
+    fresh = model.session(**opts)
+    list(fresh.generate(ids[:50] + [11, 12, 13]))
+    assert fresh.state.tokens == cached_stream
+
+
+# ----- memory ------------------------------------------------------------------------------
+@pytest.mark.parametrize("topk", [512, 10**6])
+def test_pool_bytes_and_flat_peak_memory(topk):
+    hkv, d, length, group = 4, 64, 4096, 2
+    store = PagedKV(page_tokens=32, topk=topk)
+    rng = np.random.default_rng(0)
+    rows = mx.array(rng.normal(size=(hkv, length, d)).astype(np.float32))
+    store.pool.reserve(length // 32 + 8, rows, rows)  # no growth inside the measured steps
+    store.append(rows, rows)
+    mx.eval(store.pool.k, store.pool.v, store.kmin, store.kmax)
+    stats = store.kv_stats()
+    page_bytes = 2 * 32 * hkv * d * 4
+    assert stats["pool_bytes"] == store.pool.k.nbytes + store.pool.v.nbytes
+    assert stats["pool_bytes"] == stats["pool_pages"] * page_bytes
+    assert stats["pages_resident"] == length // 32
+    cache_bytes = 2 * length * hkv * d * 4
+    peaks = []
+    for _ in range(40):
+        mx.eval(store.pool.k, store.pool.v)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        q = mx.random.normal((1, hkv * group, 1, d))
+        k = mx.random.normal((1, hkv, 1, d))
+        mx.eval(store.attend(q, k, k, d**-0.5))
+        peaks.append(mx.get_peak_memory() - base)
+    # No per-step copy of the cache, and no growth across steps.
+    assert max(peaks) < cache_bytes / 4, peaks
+    assert max(peaks[-10:]) <= max(peaks[:10]) + 64 * 1024, peaks
+
+
+# ----- options and stats -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_paged": "yes"},
+        {"kv_paged": True},
+        {"kv_topk": 0},
+        {"kv_topk": 1.5},
+        {"kv_topk": True},
+        {"kv_page_tokens": 0},
+        {"kv_page_tokens": 10**6},
+        {"kv_sinks": -1},
+        {"kv_recent": "many"},
+        {"kv_bogus": 1},
+    ],
+)
+def test_invalid_options_are_refused(options, tmp_path):
+    with pytest.raises(InvalidOptionError):
+        make_kv_factory(**options)
+    if "kv_bogus" in options:
+        return
+    model = qwen38_backend.load(str(dense_fixture("llama", tmp_path)))
+    with pytest.raises(InvalidOptionError):
+        model.generate_tokens([1, 2, 3], 4, **options)
+    with pytest.raises(InvalidOptionError):
+        list(model.session().generate([1, 2, 3], **options))
+
+
+def test_factory_kinds():
+    assert make_kv_factory() is ContiguousKV
+    assert make_kv_factory(kv_paged="off") is ContiguousKV
+    store = make_kv_factory(kv_topk="100", kv_page_tokens=16, kv_sinks=0, kv_recent=20)()
+    assert isinstance(store, PagedKV) and store.mode == "on"
+    assert (store.budget_pages, store.sink_pages, store.recent_pages) == (7, 0, 2)
+    auto = make_kv_factory(kv_paged="auto", kv_topk=64, kv_page_tokens=16)()
+    assert auto.sparse_from == 256
+
+
+def test_auto_is_dense_below_its_threshold():
+    store, *_ = filled_store(
+        length=100, page=4, topk=8, mode="auto", sinks=4, recent=4
+    )  # sparse from 32
+    assert store.selection_size() == (25, 3)
+    small, *_ = filled_store(length=20, page=4, topk=8, mode="auto", sinks=4, recent=4)
+    assert small.selection_size() == (5, 5)
+    on, *_ = filled_store(length=20, page=4, topk=8, mode="on", sinks=4, recent=4)
+    assert on.selection_size() == (5, 3)
+
+
+def test_generation_reports_kv_stats(tmp_path):
+    model = qwen38_backend.load(str(dense_fixture("qwen2", tmp_path)))
+    cfg = model.config
+    stream = model.generate_tokens(
+        prompt(100, cfg.vocab_size),
+        20,
+        stop_token_ids=[],
+        kv_topk=32,
+        kv_page_tokens=16,
+        kv_sinks=16,
+        kv_recent=16,
+    )
+    assert len(list(stream)) == 20
+    kv = stream.stats.kv
+    layers = cfg.num_hidden_layers
+    assert kv["pages_resident"] == layers * math.ceil((100 + 19) / 16)
+    assert kv["decode_steps"] == kv["sparse_steps"] == 19
+    # 32 tokens = 2 pages, but the sink page, one recent page and the open page are forced.
+    assert kv["pages_selected_per_step"] == layers * cfg.num_key_value_heads * 3
+    assert (
+        0
+        < kv["kv_read_bytes_per_token"]
+        < layers * 2 * 119 * cfg.num_key_value_heads * (cfg.head_dim * 4)
+    )
+    assert kv["pool_bytes"] > 0 and "selection_time_share" in kv
+    state = model.new_state(kv_topk=32)
+    assert collect_kv_stats(state)["pages_resident"] == 0
