@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="our prefill chunk")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--peer", choices=["mlx-lm", "none"], default="mlx-lm")
+    ap.add_argument("--peer-lengths", default=None, help="lengths for the peer (default: same)")
+    ap.add_argument("--peer-runs", type=int, default=None)
     ap.add_argument("--bound-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
     ap.add_argument("--worker", choices=["ours", "mlx-lm"], default=None)
     ap.add_argument("--out", default=None)
@@ -189,11 +191,11 @@ def main() -> None:
         print(json.dumps(fn(args)))
         return
 
-    def spawn(which: str) -> dict:
+    def spawn(which: str, lengths: list[int], runs: int) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which]
-        for k in ("dims", "layers", "decode", "runs", "chunk", "dtype"):
+        for k in ("dims", "layers", "decode", "chunk", "dtype"):
             cmd += [f"--{k}", str(getattr(args, k))]
-        cmd += ["--lengths", ",".join(map(str, args.lengths))]
+        cmd += ["--lengths", ",".join(map(str, lengths)), "--runs", str(runs)]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             return {"error": out.stderr[-3000:]}
@@ -211,9 +213,12 @@ def main() -> None:
         "mlx": mx.__version__,
         "bound_bytes_s": args.bound_gbps * 1e9,
     }
-    result["ours"] = spawn("ours")
+    result["ours"] = spawn("ours", args.lengths, args.runs)
     if args.peer == "mlx-lm":
-        result["mlx_lm"] = spawn("mlx-lm")
+        peer_lengths = [
+            int(x) for x in (args.peer_lengths or ",".join(map(str, args.lengths))).split(",")
+        ]
+        result["mlx_lm"] = spawn("mlx-lm", peer_lengths, args.peer_runs or args.runs)
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
     for length in args.lengths:
         key = str(length)
