@@ -38,7 +38,10 @@ class RMSNorm(nn.Module):
             return mx.fast.rms_norm(x, self.weight, self.eps)
         # 1 + w once per weight, not once per call (two kernels saved on every norm)
         scale = self._scale.get(self.weight, lambda w: 1.0 + w.astype(mx.float32))
-        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
+        # a half-precision x with the fp32 scale is normalised in fp32 (output fp32): the
+        # same bits as casting x up first, one kernel fewer
+        y = mx.fast.rms_norm(x, scale, self.eps)
+        return y if y.dtype == x.dtype else y.astype(x.dtype)
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
