@@ -71,23 +71,29 @@ def bench_ours(model, length: int, decode: int, runs: int) -> dict:
 
 
 def export_for_mlx_lm(model, directory: Path) -> Path:
-    """Write the loaded checkpoint in the MLX/HF layout mlx-lm reads (same tensors, fp32)."""
+    """Write the checkpoint in the MLX/HF layout mlx-lm reads, with the same numerics as ours:
+    dequantized fp32 when our model runs dequantized (CPU), else as stored."""
     import json
 
     from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.models.load import dequantize_all
 
     # the loaded model consumed its checkpoint's tensors: read them again (lazily)
     ckpt = read_checkpoint(model.checkpoint.source, tokenizer=False)
+    weights, quantization = ckpt.weights, ckpt.quantization
+    packed = any("Quantized" in type(m).__name__ for _, m in model.net.named_modules())
+    if quantization and not packed:
+        weights, quantization = dequantize_all(weights, quantization, model.dtype), {}
     weights = {
-        k: (v.astype(mx.float32) if v.dtype in (mx.float16, mx.bfloat16) else v)
-        for k, v in ckpt.weights.items()
+        k: (v.astype(model.dtype) if v.dtype in (mx.float16, mx.bfloat16, mx.float32) else v)
+        for k, v in weights.items()
     }
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
     config = dict(ckpt.config)
-    if ckpt.quantization:
-        gs = {g for g, _ in ckpt.quantization.values()}
+    if quantization:
+        gs = {g for g, _ in quantization.values()}
         quant: dict = {"group_size": gs.pop(), "bits": 4}
-        for module, (g, b) in ckpt.quantization.items():
+        for module, (g, b) in quantization.items():
             quant[module] = {"group_size": g, "bits": b}
         config["quantization"] = quant
     (directory / "config.json").write_text(json.dumps(config))
