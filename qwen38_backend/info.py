@@ -55,8 +55,14 @@ def describe(name_or_path: str, context: int | None = None) -> str:
         f"context       {s['context']:,} tokens" if s["context"] else "context       unknown",
     ]
     if context is not None:
-        from .admission import format_plan, memory_plan
+        from .admission import available_memory, format_plan, memory_plan
 
         lines.append("")
-        lines.append(format_plan(memory_plan(ckpt.config, context, weights_bytes=s["bytes"])))
+        import mlx.core as mx
+
+        # as load() would run it: fp32 on CPU (quantized weights dequantized there)
+        on_cpu = mx.default_device() == mx.cpu
+        opts = {"dtype": "float32", "weights_dtype": "float32"} if on_cpu else {}
+        plan = memory_plan(ckpt.config, context, **opts)
+        lines.append(format_plan(plan, available_memory()))
     return "\n".join(lines)

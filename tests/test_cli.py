@@ -1,0 +1,71 @@
+"""The `qwen38` command: real runs on tiny checkpoints, and one-line errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import dense_fixture
+
+
+def qwen38(*args: str, env_home) -> subprocess.CompletedProcess:
+    env = {**os.environ, "QWEN38_HOME": str(env_home)}
+    return subprocess.run(
+        [sys.executable, "-m", "qwen38_backend.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_run_streams_an_answer_and_reports_stats(tmp_path, isolated_home):
+    model = dense_fixture("qwen3", tmp_path)
+    out = qwen38(
+        "run",
+        str(model),
+        "hello",
+        "--max-tokens",
+        "8",
+        "--stats",
+        "--no-think",
+        env_home=isolated_home,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "generated 8" in out.stderr and "prefill" in out.stderr
+
+
+def test_info_prints_architecture_and_memory_plan(tmp_path, isolated_home):
+    model = dense_fixture("qwen2", tmp_path)
+    out = qwen38("info", str(model), "--context", "1000", env_home=isolated_home)
+    assert out.returncode == 0, out.stderr
+    config = json.loads((model / "config.json").read_text())
+    assert "qwen2" in out.stdout and f"{config['num_hidden_layers']} layers" in out.stdout
+    assert "memory plan" in out.stdout and "kv" in out.stdout
+
+
+def test_make_tiny_writes_a_loadable_checkpoint(tmp_path, isolated_home):
+    out = qwen38("make-tiny", "qwen3_5", str(tmp_path / "t"), "--seed", "3", env_home=isolated_home)
+    assert out.returncode == 0, out.stderr
+    run = qwen38("run", str(tmp_path / "t"), "hi", "--max-tokens", "3", env_home=isolated_home)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["run", "/no/such/model", "hi"], "neither an existing path nor a registered model"),
+        (["info", "not-a-model-name"], "register one"),
+        (["run", "{model}", "hi", "--top-p", "2"], "top_p"),
+        (["run", "{model}", "hi", "--kv-topk", "-5"], "kv_topk"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, isolated_home, args, expected):
+    model = dense_fixture("llama", tmp_path)
+    out = qwen38(*[a.replace("{model}", str(model)) for a in args], env_home=isolated_home)
+    assert out.returncode == 2
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,37 @@
+"""The embedded demo model (SmolLM2-135M-Instruct) answers sensibly through the engine."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.demo
+
+
+def answer(model, question: str, max_tokens: int) -> tuple[str, dict]:
+    session = model.session(cache=False)
+    text, done = [], None
+    for event in session.generate([{"role": "user", "content": question}], max_tokens=max_tokens):
+        if event.type == "text":
+            text.append(event.text)
+        elif event.type == "done":
+            done = event
+    return "".join(text), done
+
+
+def test_capital_of_france_is_paris(demo_model):
+    text, done = answer(demo_model, "What is the capital of France?", 40)
+    assert "Paris" in text
+    assert done.usage["prompt"] > 10 and done.usage["generated"] > 0
+
+
+def test_longer_generation_is_english(demo_model):
+    text, _ = answer(demo_model, "Write a short paragraph about why the sky is blue.", 80)
+    words = re.findall(r"[A-Za-z']+", text)
+    assert len(words) >= 30
+    common = {"the", "a", "of", "and", "is", "to", "in", "light", "sky", "blue"}
+    assert sum(w.lower() in common for w in words) / len(words) > 0.15
+    # no degenerate repetition: most 4-word windows are distinct
+    grams = [" ".join(words[i : i + 4]).lower() for i in range(len(words) - 3)]
+    assert len(set(grams)) / len(grams) > 0.7
