@@ -179,12 +179,15 @@ class Model:
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            yield from self._decode(logits, state, params, stats)
+            yield from self.decode(logits, state, params, stats)
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             stats.kv = collect_kv_stats(state)
 
-    def _decode(self, logits, state, params, stats) -> Iterator[int]:
+    def decode(
+        self, logits: mx.array, state: SequenceState, params: SamplingParams, stats
+    ) -> Iterator[int]:
+        """Sample from `logits` (the last prefill position) and decode until a stop."""
         # an explicit seed starts its own stream; otherwise continue the sequence's RNG
         key = None if params.seed is not None else state.extras.get("rng_key")
         sampler = Sampler(params, key=key)

@@ -242,7 +242,7 @@ class Session:
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            yield from self.model._decode(logits, state, params, stats)
+            yield from self.model.decode(logits, state, params, stats)
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             stats.kv = collect_kv_stats(state)

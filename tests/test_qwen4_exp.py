@@ -502,3 +502,15 @@ def test_quantized_experts_match_their_dequantized_weights(T):
     inds = mx.array(rng.integers(0, 8, (T, 2)).astype(np.uint32))
     a, b = np.array(q(x, inds)), np.array(deq(x, inds))
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max() + 1e-3
+
+
+def test_paged_kv_options_are_refused_clearly_for_flash_next(tmp_path):
+    """QSA keeps the contiguous store until the paged QSA store exists: a clear refusal."""
+    import qwen38_backend
+    from qwen38_backend.errors import InvalidOptionError
+    from qwen38_backend.testing import make_tiny_checkpoint
+
+    model = qwen38_backend.load(make_tiny_checkpoint("qwen4_exp", tmp_path / "m", seed=1))
+    with pytest.raises(InvalidOptionError, match="QSA"):
+        model.new_state(kv_paged="on")
+    assert len(list(model.generate_tokens([1, 2, 3], max_tokens=3, stop_token_ids=[]))) == 3

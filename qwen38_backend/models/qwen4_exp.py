@@ -352,7 +352,17 @@ class Qwen4ExpBlock(nn.Module):
 
     def make_state(self, cfg: Qwen4ExpConfig, kv_factory):
         if not self.is_linear:
-            return QSAState(kv_factory(), cfg.indexer_compress_ratio)
+            store = kv_factory()
+            if not isinstance(store, ContiguousKV):
+                from ..errors import InvalidOptionError
+
+                # QSA reads its own token sets out of the store; the paged QSA store is the
+                # long-context issue's work, not done yet
+                raise InvalidOptionError(
+                    "Flash-Next (qwen4_exp) selects with its own QSA indexer over the "
+                    "contiguous KV store; kv_paged/kv_topk options are not supported for it yet"
+                )
+            return QSAState(store, cfg.indexer_compress_ratio)
         if self.has_ple:
             return PLEMixerState(GatedDeltaNetState(), self.ple.make_state())
         return GatedDeltaNetState()
