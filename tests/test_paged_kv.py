@@ -68,15 +68,15 @@ def test_full_selection_equals_dense_on_dense_fixtures(arch):
         assert net_greedy(net, ids, FULL_GATHER) == ref, f"gather route, prompt {length}"
 
 
-def model_streams_equal(model) -> None:
+def model_streams_equal(model, lengths=LENGTHS, n_tokens: int = N_TOKENS) -> None:
     vocab = model.config.vocab_size
-    params = SamplingParams.from_options(max_tokens=N_TOKENS, stop_token_ids=[])
-    for length in LENGTHS:
+    params = SamplingParams.from_options(max_tokens=n_tokens, stop_token_ids=[])
+    for length in lengths:
         ids = prompt(length, vocab)
-        ref = list(model.generate_tokens(ids, N_TOKENS, stop_token_ids=[], kv_paged="off"))
-        assert len(ref) == N_TOKENS
+        ref = list(model.generate_tokens(ids, n_tokens, stop_token_ids=[], kv_paged="off"))
+        assert len(ref) == n_tokens
         paged = model.generate_tokens(
-            ids, N_TOKENS, stop_token_ids=[], kv_paged="on", kv_topk=10**6, kv_page_tokens=P
+            ids, n_tokens, stop_token_ids=[], kv_paged="on", kv_topk=10**6, kv_page_tokens=P
         )
         assert list(paged) == ref, f"dense route, prompt {length}"
         assert paged.stats.kv["pages_resident"] > 0
@@ -85,7 +85,15 @@ def model_streams_equal(model) -> None:
 
 
 @pytest.mark.demo
+def test_full_selection_equals_dense_demo_quick(demo_model):
+    """The default run's share: two page-edge prompts, 40 tokens (the full check is slow)."""
+    model_streams_equal(demo_model, lengths=(P - 1, P + 1), n_tokens=40)
+
+
+@pytest.mark.demo
+@pytest.mark.slow
 def test_full_selection_equals_dense_demo(demo_model):
+    """All page-boundary prompt lengths, 200 tokens each (3,000 demo decode steps)."""
     model_streams_equal(demo_model)
 
 
