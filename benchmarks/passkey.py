@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0, help="resume at this depth index")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -66,6 +67,8 @@ def main() -> None:
     for i in range(args.depths):
         depth = i / max(args.depths - 1, 1)
         key = str(rng.integers(10000, 100000))
+        if i < args.start:  # same keys as a full run: the rng still advances
+            continue
         ids = build_prompt(tok, args.haystack, depth, key)
         paged = factory("paged", None, args.page_tokens, args.sinks, args.recent)
         state = net.make_state(kv_factory=paged)
