@@ -10,6 +10,7 @@ import mlx.nn as nn
 from ..config import field, text_config
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
+from .base import CausalLM
 from .layers import Attention, RMSNorm, SwiGLU, rope_from_config
 
 
@@ -101,15 +102,12 @@ class DenseBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DenseModel(nn.Module):
+class DenseModel(CausalLM):
     """Causal LM over token ids [T] of one sequence, writing K/V into `state`."""
 
     def __init__(self, cfg: DenseConfig):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.model = DenseBody(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def make_state(self, kv_factory=ContiguousKV) -> SequenceState:
         return SequenceState([kv_factory() for _ in range(self.config.num_hidden_layers)])
@@ -121,14 +119,6 @@ class DenseModel(nn.Module):
         for layer, kv in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, kv, offset)
         return self.model.norm(h)
-
-    def __call__(self, ids: mx.array, state: SequenceState, last_only: bool = False) -> mx.array:
-        h = self.hidden(ids, state)
-        if last_only:
-            h = h[-1:]
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         out = {}

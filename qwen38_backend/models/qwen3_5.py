@@ -12,6 +12,7 @@ from ..config import field, text_config
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
+from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from .layers import Attention, RMSNorm, SwiGLU, rope_from_config
 
@@ -234,23 +235,16 @@ class Qwen35Body(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
 
 
-class Qwen35Model(nn.Module):
+class Qwen35Model(CausalLM):
     """Causal LM over token ids [T] of one sequence; per-layer state lives in `state`."""
 
     def __init__(self, cfg: Qwen35Config):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.model = Qwen35Body(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.mtp_num_hidden_layers:
             from .mtp import Qwen35MTP
 
             self.mtp = Qwen35MTP(cfg)
-
-    @property
-    def has_mtp(self) -> bool:
-        return "mtp" in self
 
     def make_state(self, kv_factory=ContiguousKV) -> SequenceState:
         return SequenceState(
@@ -265,27 +259,10 @@ class Qwen35Model(nn.Module):
             h = layer(h, layer_state, offset)
         return self.model.norm(h)
 
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def __call__(self, ids: mx.array, state: SequenceState, last_only: bool = False) -> mx.array:
-        h = self.hidden(ids, state)
-        if last_only:
-            h = h[-1:]
-        return self.logits_from_hidden(h)
-
     # ----- MTP -----------------------------------------------------------------------------
-    def make_mtp_state(self):
-        if not self.has_mtp:
-            raise ConfigError("this checkpoint has no MTP head (no mtp.* tensors)")
-        return self.mtp.make_state()
-
     def draft_logits(self, hidden: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
         """MTP draft logits [T, vocab] for positions mtp_state.offset.. (see mtp.py)."""
-        if not self.has_mtp:
-            raise ConfigError("this checkpoint has no MTP head (no mtp.* tensors)")
+        self._require_mtp()
         return self.mtp.draft_logits(
             hidden, next_tokens, mtp_state, self.model.embed_tokens, self.logits_from_hidden
         )

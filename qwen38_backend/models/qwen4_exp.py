@@ -20,6 +20,7 @@ from ..config import field, text_config
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
+from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from .hyper_connections import GatedResidual
 from .layers import RopeSpec
@@ -395,23 +396,16 @@ class Qwen4ExpBody(nn.Module):
         )
 
 
-class Qwen4ExpModel(nn.Module):
+class Qwen4ExpModel(CausalLM):
     """Causal LM over token ids [T] of one sequence; per-layer state lives in `state`."""
 
     def __init__(self, cfg: Qwen4ExpConfig):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.model = Qwen4ExpBody(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.mtp_num_hidden_layers:
             from .mtp_qwen4 import Qwen4ExpMTP
 
             self.mtp = Qwen4ExpMTP(cfg)
-
-    @property
-    def has_mtp(self) -> bool:
-        return "mtp" in self
 
     def make_state(self, kv_factory=ContiguousKV) -> SequenceState:
         return SequenceState([b.make_state(self.config, kv_factory) for b in self.model.layers])
@@ -428,11 +422,6 @@ class Qwen4ExpModel(nn.Module):
         """The mixer's read of the final residual, [T, hidden] (what lm_head sees)."""
         return self.model.hyper_connection_mixer.read(self.residual(ids, state))
 
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
     def logits_from_residual(self, R: mx.array) -> mx.array:
         return self.logits_from_hidden(self.model.hyper_connection_mixer.read(R))
 
@@ -443,15 +432,9 @@ class Qwen4ExpModel(nn.Module):
         return self.logits_from_residual(R)
 
     # ----- MTP -----------------------------------------------------------------------------
-    def make_mtp_state(self):
-        if not self.has_mtp:
-            raise ConfigError("this checkpoint has no MTP head (no mtp.* tensors)")
-        return self.mtp.make_state()
-
     def draft_logits(self, residual: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
         """MTP draft logits [T, vocab] from trunk residuals [T, hc*hidden] (see mtp_qwen4.py)."""
-        if not self.has_mtp:
-            raise ConfigError("this checkpoint has no MTP head (no mtp.* tensors)")
+        self._require_mtp()
         return self.mtp.draft_logits(residual, next_tokens, mtp_state, self)
 
     # ----- weights -------------------------------------------------------------------------

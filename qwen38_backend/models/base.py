@@ -1,0 +1,44 @@
+"""What every model family shares: the LM head (tied or not), logits, and MTP plumbing."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ConfigError
+from ..state import SequenceState
+
+
+class CausalLM(nn.Module):
+    """Base for a family's top-level module; subclasses build `self.model` (with
+    `embed_tokens`) and implement `hidden(ids, state)` and `make_state(kv_factory)`."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.config = cfg
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, ids: mx.array, state: SequenceState, last_only: bool = False) -> mx.array:
+        h = self.hidden(ids, state)
+        if last_only:
+            h = h[-1:]
+        return self.logits_from_hidden(h)
+
+    # ----- MTP (families with a draft head set self.mtp) ------------------------------------
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self
+
+    def _require_mtp(self) -> None:
+        if not self.has_mtp:
+            raise ConfigError("this checkpoint has no MTP head (no mtp.* tensors)")
+
+    def make_mtp_state(self):
+        self._require_mtp()
+        return self.mtp.make_state()
