@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import run_json_worker  # noqa: E402
 
 
 def config_and_shapes(dims: str, layers: int) -> tuple[dict, list]:
@@ -205,10 +206,7 @@ def main() -> None:
         for k in ("dims", "layers", "decode", "chunk", "dtype"):
             cmd += [f"--{k}", str(getattr(args, k))]
         cmd += ["--lengths", ",".join(map(str, lengths)), "--runs", str(runs)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            return {"error": out.stderr[-3000:]}
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return run_json_worker(cmd)
 
     import mlx.core as mx
 

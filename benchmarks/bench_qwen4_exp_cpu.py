@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_json_worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,10 +70,7 @@ def worker(path: str, lengths: list[int], decode: int, runs: int) -> dict:
 def run_worker(path: Path, lengths, decode, runs) -> dict:
     cmd = [sys.executable, __file__, "--worker", str(path), "--lengths"]
     cmd += [",".join(map(str, lengths)), "--decode", str(decode), "--runs", str(runs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-5:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_worker(cmd)
 
 
 def main() -> None:

@@ -64,3 +64,14 @@ def write_json(result: dict, out: str | None) -> None:
     print(text)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def run_json_worker(cmd: list[str]) -> dict:
+    """Run a benchmark worker in its own process (memory is returned between engines) and
+    parse the JSON object on its last stdout line; an error dict when it fails."""
+    import subprocess
+
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-5:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
