@@ -30,6 +30,27 @@ class CausalLM(nn.Module):
             h = h[-1:]
         return self.logits_from_hidden(h)
 
+    def canonical_names(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint names -> module names: `model.language_model.X` (multimodal wrappers) or
+        `language_model.model.X` -> `model.X`; the vision tower, rotary caches and a tied
+        lm_head dropped."""
+        out: dict[str, mx.array] = {}
+        for name, w in weights.items():
+            if name.startswith(("model.visual.", "visual.", "vision_tower.")):
+                continue
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model.") :]
+            elif name.startswith("language_model.model."):
+                name = "model." + name[len("language_model.model.") :]
+            elif name.startswith("language_model.lm_head."):
+                name = name[len("language_model.") :]
+            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+                continue
+            out[name] = w
+        return out
+
     # ----- MTP (families with a draft head set self.mtp) ------------------------------------
     @property
     def has_mtp(self) -> bool:

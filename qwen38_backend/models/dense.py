@@ -121,11 +121,4 @@ class DenseModel(CausalLM):
         return self.model.norm(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        out = {}
-        for name, w in weights.items():
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
-                continue
-            out[name] = w
-        return out
+        return self.canonical_names(weights)

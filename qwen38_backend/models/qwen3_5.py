@@ -276,21 +276,7 @@ class Qwen35Model(CausalLM):
         mlx-lm converted checkpoints (conv already [C, K, 1]) folded +1 into the zero-centred
         norms: it is taken back out here, in fp32.
         """
-        out: dict[str, mx.array] = {}
-        for name, w in weights.items():
-            if name.startswith(("model.visual.", "visual.", "vision_tower.")):
-                continue
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model.") :]
-            elif name.startswith("language_model.model."):
-                name = "model." + name[len("language_model.model.") :]
-            elif name.startswith("language_model.lm_head."):
-                name = name[len("language_model.") :]
-            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
-                continue
-            out[name] = w
+        out = self.canonical_names(weights)
         convs = [n for n in out if n.endswith("conv1d.weight") and not n.startswith("mtp.")]
         mlx_layout = bool(convs) and all(out[n].shape[-1] == 1 for n in convs)
         for n in convs:

@@ -480,21 +480,7 @@ class Qwen4ExpModel(CausalLM):
         taken out (checked against the derivation, tables kept as lazy shards unless
         `attach_ngram_tables` memory-maps them).
         """
-        out: dict[str, mx.array] = {}
-        for name, w in weights.items():
-            if name.startswith(("model.visual.", "visual.", "vision_tower.")):
-                continue
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model.") :]
-            elif name.startswith("language_model.model."):
-                name = "model." + name[len("language_model.model.") :]
-            elif name.startswith("language_model.lm_head."):
-                name = name[len("language_model.") :]
-            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
-                continue
-            out[name] = w
+        out = self.canonical_names(weights)
         out = fuse_expert_weights(out)
         self._take_ngram(out)
         convs = [n for n in out if n.endswith("linear_attn.conv1d.weight")]
