@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_json_worker  # noqa: E402
+from common import measure_engine, run_json_worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,30 +59,9 @@ def load_ours_fp32(path: str):
 
 
 def worker_ours(path: str, lengths: list[int], decode: int, runs: int) -> dict:
-    import mlx.core as mx
 
     model = load_ours_fp32(path)
-    vocab = model.config.vocab_size
-    for _ in model.generate_tokens(prompt(80, vocab), max_tokens=3):  # warm-up (compiles)
-        pass
-    out: dict = {"prefill": {}}
-    for n in lengths:
-        ids = prompt(n, vocab)
-        vals = []
-        for _ in range(runs):
-            st = model.new_state()
-            t = time.perf_counter()
-            mx.eval(model.prefill(ids, st, chunk=4096))
-            vals.append(n / (time.perf_counter() - t))
-        out["prefill"][str(n)] = _stats(vals)
-    vals = []
-    for _ in range(runs):
-        stream = model.generate_tokens(prompt(16, vocab), max_tokens=decode + 1)
-        for _ in stream:
-            pass
-        vals.append(stream.stats.decode_tokens_per_second)
-    out["decode"] = _stats(vals)
-    return out
+    return measure_engine(model, prompt, lengths, decode, runs)
 
 
 def worker_mlx_lm(path: str, lengths: list[int], decode: int, runs: int) -> dict:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_json_worker  # noqa: E402
+from common import measure_engine, run_json_worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -37,7 +37,6 @@ def _stats(values: list[float]) -> dict:
 
 
 def worker(path: str, lengths: list[int], decode: int, runs: int) -> dict:
-    import mlx.core as mx
 
     from qwen38_backend.loader import load_model
 
@@ -45,26 +44,13 @@ def worker(path: str, lengths: list[int], decode: int, runs: int) -> dict:
     model = load_model(path)
     load_s = time.perf_counter() - t
     attached = model.net.attach_ngram_tables(path)  # memory-map the n-gram table
-    vocab = model.config.vocab_size
-    for _ in model.generate_tokens(prompt(24, vocab), max_tokens=3):  # warm-up
-        pass
-    out: dict = {"load_seconds": load_s, "ngram_table_memory_mapped": attached, "prefill": {}}
-    for n in lengths:
-        ids, vals = prompt(n, vocab), []
-        for _ in range(runs):
-            st = model.new_state()
-            t = time.perf_counter()
-            mx.eval(model.prefill(ids, st, chunk=4096))
-            vals.append(n / (time.perf_counter() - t))
-        out["prefill"][str(n)] = _stats(vals)
-    vals = []
-    for _ in range(runs):
-        stream = model.generate_tokens(prompt(16, vocab), max_tokens=decode + 1)
-        for _ in stream:
-            pass
-        vals.append(stream.stats.decode_tokens_per_second)
-    out["decode_tokens_per_second"] = _stats(vals)
-    return out
+    measured = measure_engine(model, prompt, lengths, decode, runs)
+    return {
+        "load_seconds": load_s,
+        "ngram_table_memory_mapped": attached,
+        "prefill": measured["prefill"],
+        "decode_tokens_per_second": measured["decode"],
+    }
 
 
 def run_worker(path: Path, lengths, decode, runs) -> dict:

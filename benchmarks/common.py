@@ -75,3 +75,28 @@ def run_json_worker(cmd: list[str]) -> dict:
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-5:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_engine(model, prompt, lengths: list[int], decode: int, runs: int) -> dict:
+    """Our engine's prefill tok/s at each length and decode tok/s, medians of `runs`.
+
+    prompt(n, vocab) -> token ids. A short generation first compiles the kernels."""
+    vocab = model.config.vocab_size
+    for _ in model.generate_tokens(prompt(24, vocab), max_tokens=3):
+        pass
+    prefill = {}
+    for n in lengths:
+        ids, vals = prompt(n, vocab), []
+        for _ in range(runs):
+            state = model.new_state()
+            t = time.perf_counter()
+            mx.eval(model.prefill(ids, state, chunk=4096))
+            vals.append(n / (time.perf_counter() - t))
+        prefill[str(n)] = {"median": statistics.median(vals), "runs": vals}
+    vals = []
+    for _ in range(runs):
+        stream = model.generate_tokens(prompt(16, vocab), max_tokens=decode + 1)
+        for _ in stream:
+            pass
+        vals.append(stream.stats.decode_tokens_per_second)
+    return {"prefill": prefill, "decode": {"median": statistics.median(vals), "runs": vals}}
