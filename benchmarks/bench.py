@@ -18,7 +18,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from common import environment, median_of, peak_bandwidth, write_json
+from common import (
+    environment,
+    median_of,
+    mlx_lm_decode_tok_s,
+    mlx_lm_prefill_tok_s,
+    peak_bandwidth,
+    write_json,
+)
 from mlx.utils import tree_flatten
 
 import qwen38_backend
@@ -101,29 +108,14 @@ def export_for_mlx_lm(model, directory: Path) -> Path:
 
 
 def bench_mlx_lm(model_dir: Path, vocab: int, length: int, decode: int, runs: int) -> dict:
-    from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
     peer, _ = load_model(model_dir)
-    ids = mx.array(prompt_ids(vocab, length))
-
-    def prefill() -> float:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(peer)
-        t = time.perf_counter()
-        out = peer(ids[None], cache=cache)
-        mx.eval(out[:, -1])
-        return length / (time.perf_counter() - t)
-
-    def dec() -> float:
-        gen = generate_step(ids, peer, max_tokens=decode)
-        next(gen)
-        t = time.perf_counter()
-        n = sum(1 for _ in gen)
-        return n / (time.perf_counter() - t)
-
-    return {"prefill_tok_s": median_of(runs, prefill), "decode_tok_s": median_of(runs, dec)}
+    ids = prompt_ids(vocab, length)
+    return {
+        "prefill_tok_s": median_of(runs, lambda: mlx_lm_prefill_tok_s(peer, ids)),
+        "decode_tok_s": median_of(runs, lambda: mlx_lm_decode_tok_s(peer, ids, decode)),
+    }
 
 
 def main() -> None:

@@ -95,6 +95,10 @@ def worker_ours(args) -> dict:
     from qwen38_backend.sampling import SamplingParams
 
     dtype = getattr(mx, args.dtype)
+    if args.op_by_op:
+        from qwen38_backend.models.layers import PreNormBlock
+
+        PreNormBlock.compile_decode = False
     config, shapes = config_and_shapes(args.dims, args.layers)
     net = build_model(config)
     weights = net.sanitize(random_weights(shapes, dtype))
@@ -191,6 +195,11 @@ def main() -> None:
     ap.add_argument("--peer-lengths", default=None, help="lengths for the peer (default: same)")
     ap.add_argument("--peer-runs", type=int, default=None)
     ap.add_argument("--bound-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    ap.add_argument(
+        "--op-by-op",
+        action="store_true",
+        help="also run ours with the compiled decode step off (what it buys, same run)",
+    )
     ap.add_argument("--worker", choices=["ours", "mlx-lm"], default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -201,8 +210,9 @@ def main() -> None:
         print(json.dumps(fn(args)))
         return
 
-    def spawn(which: str, lengths: list[int], runs: int) -> dict:
+    def spawn(which: str, lengths: list[int], runs: int, op_by_op: bool = False) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which]
+        cmd += ["--op-by-op"] if op_by_op else []
         for k in ("dims", "layers", "decode", "chunk", "dtype"):
             cmd += [f"--{k}", str(getattr(args, k))]
         cmd += ["--lengths", ",".join(map(str, lengths)), "--runs", str(runs)]
@@ -221,6 +231,8 @@ def main() -> None:
         "bound_bytes_s": args.bound_gbps * 1e9,
     }
     result["ours"] = spawn("ours", args.lengths, args.runs)
+    if args.op_by_op:
+        result["ours_op_by_op"] = spawn("ours", args.lengths, args.runs, op_by_op=True)
     if args.peer == "mlx-lm":
         peer_lengths = [
             int(x) for x in (args.peer_lengths or ",".join(map(str, args.lengths))).split(",")
@@ -235,7 +247,7 @@ def main() -> None:
         per_token = bytes_per_token(
             config, result["ours"]["weights_bytes"], length + args.decode // 2, itemsize
         )
-        for name in ("ours", "mlx_lm"):
+        for name in ("ours", "ours_op_by_op", "mlx_lm"):
             entry = result.get(name, {}).get("lengths", {}).get(key)
             if entry:
                 rate = entry["decode_tok_s"]["median"]

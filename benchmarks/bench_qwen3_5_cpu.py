@@ -5,9 +5,11 @@
 
 Models: the tiny random qwen3_5 (fp32) and the real 27B widths with 4 layers (3 Gated DeltaNet
 + 1 attention, vocab 248320, bf16 on disk; `--real-dir` reuses one, else it is generated).
-Both engines compute in fp32 (MLX's x86 half kernels are slow); mlx-lm's model is cast with
-set_dtype(float32) so the comparison is like for like. Each (engine, model) runs in its own
-subprocess so memory is returned between them. Reports medians of --runs.
+Both engines compute in fp32 (MLX's x86 half kernels are slow). mlx-lm's model is loaded lazily
+and cast to float32 tensor by tensor (a whole-model set_dtype holds bf16 + fp32 at once: 24 GB
+for the real shape). mlx-lm's prefill is its generate_step up to the first token (its own
+chunking; only the last position goes through the LM head, as in ours). Each (engine, model)
+runs in its own subprocess so memory is returned between them. Reports medians of --runs.
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure_engine, run_json_worker  # noqa: E402
+from common import (  # noqa: E402
+    cast_in_place,
+    measure_engine,
+    mlx_lm_decode_tok_s,
+    mlx_lm_prefill_tok_s,
+    run_json_worker,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,62 +45,27 @@ def _stats(values: list[float]) -> dict:
 
 
 # ----- workers (run in a subprocess) ---------------------------------------------------------
-def load_ours_fp32(path: str):
-    """Load with a per-tensor fp32 cast so bf16 sources are freed as we go (peak ~ fp32 size)."""
-    import mlx.core as mx
-    from mlx.utils import tree_unflatten
-
-    from qwen38_backend.engine import Model
-    from qwen38_backend.loading import read_checkpoint
-    from qwen38_backend.models import build_model
-
-    ckpt = read_checkpoint(path)
-    net = build_model(ckpt.config)
-    weights = net.sanitize(dict(ckpt.weights))
-    ckpt.weights.clear()
-    for name in list(weights):
-        w = weights.pop(name).astype(mx.float32)
-        mx.eval(w)
-        net.update(tree_unflatten([(name, w)]), strict=False)
-    return Model(net, ckpt, mx.float32)
-
-
 def worker_ours(path: str, lengths: list[int], decode: int, runs: int) -> dict:
+    import qwen38_backend
 
-    model = load_ours_fp32(path)
+    # the product loader: per-tensor fp32 cast (peak ~ fp32 size), fused projections
+    model = qwen38_backend.load(path, dtype="float32")
     return measure_engine(model, prompt, lengths, decode, runs)
 
 
 def worker_mlx_lm(path: str, lengths: list[int], decode: int, runs: int) -> dict:
     import mlx.core as mx
     import mlx_lm
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
 
-    model, _ = mlx_lm.load(path)
-    model.set_dtype(mx.float32)
+    model, _ = mlx_lm.load(path, lazy=True)
+    cast_in_place(model, mx.float32)  # like ours: fp32 compute, never source + copy at once
     vocab = model.args.text_config["vocab_size"]
-    for _ in generate_step(mx.array(prompt(80, vocab)), model, max_tokens=3):  # warm-up
-        pass
+    mlx_lm_decode_tok_s(model, prompt(80, vocab), 2)  # warm-up
     out: dict = {"prefill": {}}
     for n in lengths:
-        ids = mx.array(prompt(n, vocab))
-        vals = []
-        for _ in range(runs):
-            cache = make_prompt_cache(model)
-            t = time.perf_counter()
-            logits = model(ids[None], cache=cache)
-            mx.eval(logits[:, -1], [c.state for c in cache])
-            vals.append(n / (time.perf_counter() - t))
+        vals = [mlx_lm_prefill_tok_s(model, prompt(n, vocab)) for _ in range(runs)]
         out["prefill"][str(n)] = _stats(vals)
-    vals = []
-    for _ in range(runs):
-        gen = generate_step(mx.array(prompt(16, vocab)), model, max_tokens=decode + 1)
-        next(gen)  # first token comes from the prefill
-        t = time.perf_counter()
-        for _ in range(decode):
-            next(gen)
-        vals.append(decode / (time.perf_counter() - t))
+    vals = [mlx_lm_decode_tok_s(model, prompt(16, vocab), decode) for _ in range(runs)]
     out["decode"] = _stats(vals)
     return out
 
@@ -124,6 +96,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--real-runs", type=int, default=2)
+    p.add_argument("--real-decode", type=int, default=8, help="decode tokens (real shape)")
     p.add_argument("--real-dir", default=None, help="existing 27B-shape checkpoint to reuse")
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--skip-mlx-lm", action="store_true")
@@ -148,7 +121,8 @@ def main() -> None:
     result: dict = {"environment": environment(), "compute_dtype": "float32", "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tiny = make_tiny_checkpoint("qwen3_5", Path(tmp) / "tiny", seed=0)
-        todo = [("tiny", tiny, [int(x) for x in args.tiny_lengths.split(",")], args.runs)]
+        tiny_lengths = [int(x) for x in args.tiny_lengths.split(",")]
+        todo = [("tiny", tiny, tiny_lengths, args.runs, args.decode)]
         if not args.skip_real:
             real = Path(args.real_dir) if args.real_dir else None
             if real is None or not (real / "model.safetensors").exists():
@@ -163,10 +137,10 @@ def main() -> None:
                     with_mtp=False,
                 )
             lengths = [int(x) for x in args.real_lengths.split(",")]
-            todo.append(("27b_4layers_bf16_ckpt", real, lengths, args.real_runs))
-        for label, path, lengths, runs in todo:
+            todo.append(("27b_4layers_bf16_ckpt", real, lengths, args.real_runs, args.real_decode))
+        for label, path, lengths, runs, decode in todo:
             result["models"][label] = {
-                engine: run_worker(engine, path, lengths, args.decode, runs) for engine in engines
+                engine: run_worker(engine, path, lengths, decode, runs) for engine in engines
             }
             print(f"{label}: done", file=sys.stderr)
     write_json(result, args.out)

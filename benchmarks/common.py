@@ -100,3 +100,36 @@ def measure_engine(model, prompt, lengths: list[int], decode: int, runs: int) ->
             pass
         vals.append(stream.stats.decode_tokens_per_second)
     return {"prefill": prefill, "decode": {"median": statistics.median(vals), "runs": vals}}
+
+
+def mlx_lm_prefill_tok_s(model, ids: list[int]) -> float:
+    """mlx-lm's prefill as its users get it: generate_step's own chunked prefill up to the first
+    token (only the last position goes through the LM head, as in ours)."""
+    from mlx_lm.generate import generate_step
+
+    t = time.perf_counter()
+    next(generate_step(mx.array(ids), model, max_tokens=1))
+    return len(ids) / (time.perf_counter() - t)
+
+
+def mlx_lm_decode_tok_s(model, ids: list[int], decode: int) -> float:
+    """mlx-lm's decode tokens/s after `ids`, timed from the first token to the last."""
+    from mlx_lm.generate import generate_step
+
+    gen = generate_step(mx.array(ids), model, max_tokens=decode + 1)
+    next(gen)  # the first token comes from the prefill
+    t = time.perf_counter()
+    n = sum(1 for _ in gen)
+    return n / (time.perf_counter() - t)
+
+
+def cast_in_place(model, dtype: mx.Dtype) -> None:
+    """Cast a (lazily loaded) model's parameters one tensor at a time, so the source copy of a
+    tensor is freed before the next is read: peak memory ~ the cast size, not source + cast."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    for name, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype:
+            value = value.astype(dtype)
+        mx.eval(value)
+        model.update(tree_unflatten([(name, value)]), strict=False)

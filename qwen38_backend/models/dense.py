@@ -11,7 +11,7 @@ from ..config import field, text_config
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
 from .base import CausalLM
-from .layers import Attention, RMSNorm, SwiGLU, rope_from_config
+from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, rope_from_config
 
 
 @dataclass
@@ -69,7 +69,7 @@ class DenseConfig:
         )
 
 
-class DenseBlock(nn.Module):
+class DenseBlock(PreNormBlock):
     def __init__(self, cfg: DenseConfig):
         super().__init__()
         rope = rope_from_config(
@@ -90,8 +90,7 @@ class DenseBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def __call__(self, h: mx.array, kv: ContiguousKV, offset: int) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), kv, offset)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.attention_block(h, kv, offset)
 
 
 class DenseBody(nn.Module):

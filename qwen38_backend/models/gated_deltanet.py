@@ -307,24 +307,33 @@ class GatedDeltaNet(nn.Module):
 
     def _recurrent_call(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
         """Few tokens (decode, MTP verify): one fused step per token via
-        mx.fast.gated_delta_update; the single-token case is one compiled graph."""
-        T = x.shape[0]
+        mx.fast.gated_delta_update."""
+        conv, recurrent = self.initial_state(state, x.dtype)
+        out, state.conv, state.recurrent = self.step(x, conv, recurrent)
+        state.length += x.shape[0]
+        return out
+
+    def initial_state(self, state: GatedDeltaNetState, dtype: mx.Dtype):
+        """(conv history in `dtype`, recurrent state) of `state`, zeros before the first token."""
         if state.recurrent is None:
             state.recurrent = mx.zeros((self.n_v_heads, self.v_head_dim, self.k_head_dim))
-            state.conv = mx.zeros((self.conv_kernel - 1, self.conv_dim), dtype=x.dtype)
+            state.conv = mx.zeros((self.conv_kernel - 1, self.conv_dim), dtype=dtype)
+        return state.conv.astype(dtype), state.recurrent
+
+    def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
+        """Pure form of the few-token path: (output [T, hidden], new conv, new recurrent)."""
         spec = self._core_spec()
-        core = _decode_core(spec) if T == 1 else partial(_gdn_core, spec=spec)
-        o, state.conv, state.recurrent = core(
+        core = _decode_core(spec) if x.shape[0] == 1 else partial(_gdn_core, spec=spec)
+        o, conv, recurrent = core(
             *self._project(x),
-            state.conv.astype(x.dtype),
+            conv,
             self.conv1d.weight[:, :, 0].astype(x.dtype),
             self.A_log,
             self.dt_bias,
-            state.recurrent,
+            recurrent,
             self.norm.weight,
         )
-        state.length += T
-        return self.out_proj(o)
+        return self.out_proj(o), conv, recurrent
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 

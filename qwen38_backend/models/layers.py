@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -105,7 +106,7 @@ class RopeSpec:
     interleaved: bool = False
     freqs: mx.array | None = None
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         """x: [1, heads, T, head_dim]; rotates the first `dims` features of every head."""
         base = None if self.freqs is not None else self.theta
         return mx.fast.rope(
@@ -196,7 +197,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered_norm)
 
     def project_qkv(
-        self, x: mx.array, offset: int
+        self, x: mx.array, offset: int | mx.array
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Return roped q [1,H,T,D], k and v [1,Hkv,T,D], and the gate [T, H*D] (or None)."""
         T = x.shape[0]
@@ -230,13 +231,61 @@ class Attention(nn.Module):
         for name in ("q_proj", "k_proj", "v_proj"):
             del self[name]
 
-    def __call__(self, x: mx.array, kv, offset: int) -> mx.array:
-        q, k, v, gate = self.project_qkv(x, offset)
-        out = kv.attend(q, k, v, self.scale)
-        out = out.transpose(0, 2, 1, 3).reshape(x.shape[0], -1)
+    def output(self, out: mx.array, gate: mx.array | None) -> mx.array:
+        """Attention output [1, H, T, D] -> gated (if any) and projected [T, hidden]."""
+        out = out.transpose(0, 2, 1, 3).reshape(out.shape[2], -1)
         if gate is not None:
             out = out * mx.sigmoid(gate)
         return self.o_proj(out)
+
+    def __call__(self, x: mx.array, kv, offset: int | mx.array) -> mx.array:
+        q, k, v, gate = self.project_qkv(x, offset)
+        return self.output(kv.attend(q, k, v, self.scale), gate)
+
+
+def compiled(module: nn.Module, method: str) -> Callable:
+    """`module.method` under mx.compile, traced once per module.
+
+    The module's parameters are implicit inputs (read at every call, so replaced weights are
+    seen). Meant for the fixed-shape pieces of a decode step: one graph replay with fused
+    elementwise ops instead of dozens of ops re-built from Python per token, which on a GPU is
+    what separates the kernels.
+    """
+    cache = module.__dict__.setdefault("_compiled_methods", {})
+    if method not in cache:
+        cache[method] = mx.compile(getattr(module, method), inputs=module)
+    return cache[method]
+
+
+class PreNormBlock(nn.Module):
+    """A block h + attn(norm(h)), then h + mlp(norm(h)), with `self_attn` an Attention.
+
+    Subclasses provide input_layernorm, self_attn, post_attention_layernorm and mlp.
+    `decode_attention` is the single-token step: everything but the KV store's attend runs
+    as two compiled graphs (before and after it)."""
+
+    # False: decode builds the step op by op like prefill (benchmarks compare the two)
+    compile_decode = True
+
+    def attention_block(self, h: mx.array, kv, offset: int) -> mx.array:
+        if h.shape[0] == 1 and self.compile_decode:
+            return self.decode_attention(h, kv, offset)
+        h = h + self.self_attn(self.input_layernorm(h), kv, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode_attention(self, h: mx.array, kv, offset: int) -> mx.array:
+        # the position as an array: a Python int would be traced as a constant
+        q, k, v, *gate = compiled(self, "_attention_in")(h, mx.array(offset, dtype=mx.int32))
+        out = kv.attend(q, k, v, self.self_attn.scale)
+        return compiled(self, "_attention_out")(h, out, *gate)
+
+    def _attention_in(self, h: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        q, k, v, gate = self.self_attn.project_qkv(self.input_layernorm(h), offset)
+        return (q, k, v) if gate is None else (q, k, v, gate)
+
+    def _attention_out(self, h: mx.array, out: mx.array, gate: mx.array | None = None):
+        h = h + self.self_attn.output(out, gate)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 @mx.compile

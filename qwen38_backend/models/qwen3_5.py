@@ -14,7 +14,7 @@ from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
-from .layers import Attention, RMSNorm, SwiGLU, rope_from_config
+from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, compiled, rope_from_config
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -195,7 +195,7 @@ def gated_attention(cfg: Qwen35Config) -> Attention:
     )
 
 
-class Qwen35Block(nn.Module):
+class Qwen35Block(PreNormBlock):
     def __init__(self, cfg: Qwen35Config, layer_type: str):
         super().__init__()
         self.is_linear = layer_type == LINEAR
@@ -219,12 +219,24 @@ class Qwen35Block(nn.Module):
         )
 
     def __call__(self, h: mx.array, layer_state, offset: int) -> mx.array:
-        x = self.input_layernorm(h)
-        if self.is_linear:
-            h = h + self.linear_attn(x, layer_state)
-        else:
-            h = h + self.self_attn(x, layer_state, offset)
+        if not self.is_linear:
+            return self.attention_block(h, layer_state, offset)
+        if h.shape[0] == 1 and self.compile_decode:
+            return self.decode_linear(h, layer_state)
+        h = h + self.linear_attn(self.input_layernorm(h), layer_state)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode_linear(self, h: mx.array, state: GatedDeltaNetState) -> mx.array:
+        """One token through a Gated DeltaNet block: the whole block is one compiled graph."""
+        conv, recurrent = self.linear_attn.initial_state(state, h.dtype)
+        h, state.conv, state.recurrent = compiled(self, "_linear_step")(h, conv, recurrent)
+        state.length += 1
+        return h
+
+    def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
+        out, conv, recurrent = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)
+        h = h + out
+        return h + self.mlp(self.post_attention_layernorm(h)), conv, recurrent
 
 
 class Qwen35Body(nn.Module):
