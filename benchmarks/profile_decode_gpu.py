@@ -34,6 +34,29 @@ def timeit(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def host_costs(net, state, steps: int = 12) -> dict:
+    """Host-side cost of a step: building the graph in Python, encoding it (async_eval
+    returns once the kernels are queued) and then waiting for the device."""
+    import mlx.core as mx
+
+    build, encode, wait = [], [], []
+    for _ in range(steps):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        logits = net(mx.array([5]), state, last_only=True)
+        state.advance([5])
+        t1 = time.perf_counter()
+        mx.async_eval(logits)
+        t2 = time.perf_counter()
+        mx.eval(logits)
+        t3 = time.perf_counter()
+        build.append(t1 - t0)
+        encode.append(t2 - t1)
+        wait.append(t3 - t2)
+    med = statistics.median
+    return {"build": med(build) * 1e3, "encode": med(encode) * 1e3, "wait": med(wait) * 1e3}
+
+
 def main() -> None:
     import mlx.core as mx
     from bench_gpu_27b import config_and_shapes, random_weights
@@ -92,6 +115,28 @@ def main() -> None:
         return logits
 
     out["full_step_ms"] = timeit(step, 10) * 1e3
+
+    # whole blocks, one token, as decode runs them (compiled step) and op by op
+    from qwen38_backend.models.layers import PreNormBlock
+
+    h = mx.random.normal((1, H)).astype(dtype)
+    att = layers[att_i]
+    for label, flag in (("compiled", True), ("op_by_op", False)):
+        PreNormBlock.compile_decode = flag
+        out[f"gdn_block_us_{label}"] = timeit(lambda: gdn(h, state.layers[gdn_i], 0)) * 1e6
+        out[f"attention_block_us_{label}"] = (
+            timeit(lambda: att(h, state.layers[att_i], args.depth)) * 1e6
+        )
+        out[f"full_step_ms_{label}"] = timeit(step, 10) * 1e3
+        out[f"host_ms_{label}"] = host_costs(net, state)
+    PreNormBlock.compile_decode = True
+    n_att = sum(1 for layer in layers if not layer.is_linear)
+    out["lm_head_us"] = timeit(lambda: net.logits_from_hidden(h)) * 1e6
+    out["sum_of_parts_ms"] = (
+        (len(layers) - n_att) * out["gdn_block_us_compiled"]
+        + n_att * out["attention_block_us_compiled"]
+        + out["lm_head_us"]
+    ) / 1e3
 
     def build_only():
         t0 = time.perf_counter()

@@ -61,3 +61,42 @@ def test_greedy_decode_equals_full_forward_argmax_fp32(tmp_path):
     for _ in range(16):
         ids.append(int(np.argmax(model.logits(ids)[-1])))
     assert ours == ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gdn_decode_kernel_matches_the_op_path(dtype):
+    """The fused CUDA decode step against `_gdn_core` over 8 chained steps (27B dims)."""
+    from qwen38_backend.kernels import gdn_decode
+
+    from qwen38_backend.models.gated_deltanet import _gdn_core
+
+    if not mx.cuda.is_available():
+        pytest.skip("the fused Gated DeltaNet decode kernel is CUDA-only")
+    hk, hv, dk, dv, kw = 16, 48, 128, 128, 4
+    spec = (hk, hv, dk, dv, 1e-6, "silu")
+    assert gdn_decode.available(spec, dtype)
+    conv_dim = 2 * hk * dk + hv * dv
+    mx.random.seed(1)
+    conv_w = (0.5 * mx.random.normal((conv_dim, kw))).astype(dtype)
+    A_log = mx.random.uniform(0.0, 2.0, (hv,)).astype(dtype)
+    dt_bias = mx.random.uniform(-1.0, 1.0, (hv,)).astype(dtype)
+    norm_w = (1 + 0.1 * mx.random.normal((dv,))).astype(dtype)
+    ours = ref = (mx.zeros((kw - 1, conv_dim), dtype), mx.zeros((hv, dv, dk)))
+    for _ in range(8):
+        x = [
+            mx.random.normal(shape).astype(dtype)
+            for shape in ((1, conv_dim), (1, hv * dv), (1, hv), (1, hv))
+        ]
+        o1, *ours = gdn_decode.gdn_decode_step(
+            *x, ours[0], conv_w, A_log, dt_bias, ours[1], norm_w, spec=spec
+        )
+        o2, *ref = _gdn_core(*x, ref[0], conv_w, A_log, dt_bias, ref[1], norm_w, spec=spec)
+        assert (ours[0] != ref[0]).sum().item() == 0  # the conv history is a copy
+        for a, b in ((ours[1], ref[1]), (o1, o2)):
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            if dtype == mx.float32:
+                assert mx.abs(a - b).max().item() < 1e-4
+            else:  # the paths may round a value an ulp apart: compare norms
+                assert (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item() < 2.0**-7
+        ours = [ours[0], ours[1]]
+        ref = [ref[0], ref[1]]

@@ -20,6 +20,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import gdn_decode
 from ..state import RewindError
 from .layers import can_fuse, fuse_linears, split_outputs
 
@@ -309,6 +310,7 @@ class GatedDeltaNet(nn.Module):
         """Few tokens (decode, MTP verify): one fused step per token via
         mx.fast.gated_delta_update."""
         conv, recurrent = self.initial_state(state, x.dtype)
+        self.prepare_decode(x.dtype)
         out, state.conv, state.recurrent = self.step(x, conv, recurrent)
         state.length += x.shape[0]
         return out
@@ -320,10 +322,20 @@ class GatedDeltaNet(nn.Module):
             state.conv = mx.zeros((self.conv_kernel - 1, self.conv_dim), dtype=dtype)
         return state.conv.astype(dtype), state.recurrent
 
+    def prepare_decode(self, dtype: mx.Dtype) -> None:
+        """Decide (outside any compiled trace: the check runs a probe) whether single-token
+        steps use the fused CUDA kernel."""
+        self._kernel_for = str(dtype) if gdn_decode.available(self._core_spec(), dtype) else ""
+
     def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
         """Pure form of the few-token path: (output [T, hidden], new conv, new recurrent)."""
         spec = self._core_spec()
-        core = _decode_core(spec) if x.shape[0] == 1 else partial(_gdn_core, spec=spec)
+        if x.shape[0] != 1:
+            core = partial(_gdn_core, spec=spec)
+        elif getattr(self, "_kernel_for", "") == str(x.dtype):
+            core = partial(gdn_decode.gdn_decode_step, spec=spec)
+        else:
+            core = _decode_core(spec)
         o, conv, recurrent = core(
             *self._project(x),
             conv,

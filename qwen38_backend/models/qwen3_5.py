@@ -229,6 +229,7 @@ class Qwen35Block(PreNormBlock):
     def decode_linear(self, h: mx.array, state: GatedDeltaNetState) -> mx.array:
         """One token through a Gated DeltaNet block: the whole block is one compiled graph."""
         conv, recurrent = self.linear_attn.initial_state(state, h.dtype)
+        self.linear_attn.prepare_decode(h.dtype)
         h, state.conv, state.recurrent = compiled(self, "_linear_step")(h, conv, recurrent)
         state.length += 1
         return h
