@@ -337,7 +337,11 @@ def _tool_spec(tool: Any) -> tuple[str, dict]:
     params = tool.get("parameters") or tool.get("input_schema") or {"type": "object"}
     if not isinstance(params, dict):
         raise InvalidOptionError(f"tool {tool['name']!r}: parameters must be a JSON schema object")
-    return tool["name"], params
+    # A call's arguments are the declared parameters and nothing else: with extra keys
+    # allowed, a forced call may never close (a no-argument tool would take any object).
+    if not any(k in params for k in ("properties", "additionalProperties", "patternProperties")):
+        params = {**params, "properties": {}}
+    return tool["name"], close_objects(params)
 
 
 def _pick_tools(tools: Sequence[Any], choice: str) -> list[tuple[str, dict]]:

@@ -240,6 +240,45 @@ def test_tool_call_grammar_parses_into_a_valid_call(tiny, style, seed):
     jsonschema.validate(call.arguments, TOOL_SCHEMAS[call.name])
 
 
+@pytest.mark.parametrize("style", ["json", "qwen_xml"])
+def test_tool_arguments_take_no_undeclared_keys(tiny, style):
+    """A schema without additionalProperties, and a tool without parameters: a forced call
+    takes exactly the declared arguments (extra keys could run on forever)."""
+    tools = [
+        {
+            "name": "square",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+            },
+        },
+        {"name": "ping"},
+    ]
+
+    def accepts(call: str) -> bool:
+        proc = tool_call_processor(tiny, tools, style=style)
+        text = f"<tool_call>\n{call}\n</tool_call>"
+        try:
+            proc.sync(tiny.tokenizer.encode(text))
+        except ConstraintViolation:
+            return False
+        return proc.is_accepting
+
+    if style == "json":
+        good = ['{"name": "square", "arguments": {"n": 3}}', '{"name": "ping", "arguments": {}}']
+        bad = [
+            '{"name": "square", "arguments": {"n": 3, "type": "integer"}}',
+            '{"name": "ping", "arguments": {"x": 1}}',
+        ]
+    else:
+        good = ["<function=square>\n<parameter=n>\n3\n</parameter>\n</function>"]
+        good.append("<function=ping>\n</function>")
+        bad = ["<function=ping>\n<parameter=x>\n1\n</parameter>\n</function>"]
+    assert all(accepts(c) for c in good)
+    assert not any(accepts(c) for c in bad)
+
+
 def test_tool_call_uses_the_single_tag_tokens(tiny):
     proc = tool_call_processor(tiny, TOOLS, choice="add")
     tokens, _ = _generate(tiny, proc, seed=0)

@@ -205,7 +205,18 @@ CAPABILITY_TESTS = {
     "test_unicode_tool_call_integration",
     "test_no_overrides_DO_NOT_OVERRIDE",
 }
-DEMO_XFAIL: dict[str, XfailSpec] = {}
+_SMALL = "SmolLM2-135M (the demo): "
+DEMO_XFAIL: dict[str, XfailSpec] = {
+    "test_structured_output": (
+        _SMALL + "repeats itself inside the first string field ('A cat is a cat, ...') until "
+        "max_tokens, so the object is cut before 'punchline' (pydantic variant)",
+        _pydantic_only,
+    ),
+    "test_json_mode": _SMALL + "JSON mode constrains to an object; the model writes only the "
+    "'setup' key the prompt asks for, not 'punchline'",
+    "test_agent_loop": _SMALL + "with tool_choice auto it answers in prose instead of "
+    "calling get_weather",
+}
 
 
 @_xfails(TINY_XFAIL)

@@ -273,6 +273,8 @@ class ChatQwen38(BaseChatModel):
                 schema = response_format
                 if isinstance(schema, dict) and schema.get("type") == "json_schema":
                     schema = schema["json_schema"]["schema"]  # OpenAI response_format form
+                # the listed properties are the whole object (as OpenAI's strict mode)
+                schema = qc.close_objects(schema)
                 processors.append(qc.json_schema_processor(model, schema, thinking=thinking))
         if processors:
             sampling["logits_processors"] = processors
