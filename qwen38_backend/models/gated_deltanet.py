@@ -20,7 +20,6 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import gdn_decode
 from ..state import RewindError
 from .layers import can_fuse, fuse_linears, split_outputs
 
@@ -325,7 +324,9 @@ class GatedDeltaNet(nn.Module):
     def prepare_decode(self, dtype: mx.Dtype) -> None:
         """Decide (outside any compiled trace: the check runs a probe) whether single-token
         steps use the fused CUDA kernel."""
-        self._kernel_for = str(dtype) if gdn_decode.available(self._core_spec(), dtype) else ""
+        kernels = _kernel_module()
+        usable = kernels is not None and kernels.available(self._core_spec(), dtype)
+        self._kernel_for = str(dtype) if usable else ""
 
     def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
         """Pure form of the few-token path: (output [T, hidden], new conv, new recurrent)."""
@@ -333,7 +334,7 @@ class GatedDeltaNet(nn.Module):
         if x.shape[0] != 1:
             core = partial(_gdn_core, spec=spec)
         elif getattr(self, "_kernel_for", "") == str(x.dtype):
-            core = partial(gdn_decode.gdn_decode_step, spec=spec)
+            core = partial(_kernel_module().gdn_decode_step, spec=spec)
         else:
             core = _decode_core(spec)
         o, conv, recurrent = core(
@@ -374,6 +375,16 @@ class GatedDeltaNet(nn.Module):
             self.norm.eps,
             self.norm.activation,
         )
+
+
+def _kernel_module():
+    """kernels/gdn_decode.py, or None in a source tree that was not installed (the package
+    maps `kernels/` to `qwen38_backend.kernels` at install); the op path then runs."""
+    try:
+        from ..kernels import gdn_decode
+    except ImportError:
+        return None
+    return gdn_decode
 
 
 def _gdn_core(qkv, z, b, a, hist, conv_w, A_log, dt_bias, S, norm_w, spec):
