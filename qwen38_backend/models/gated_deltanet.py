@@ -323,10 +323,13 @@ class GatedDeltaNet(nn.Module):
 
     def prepare_decode(self, dtype: mx.Dtype) -> None:
         """Decide (outside any compiled trace: the check runs a probe) whether single-token
-        steps use the fused CUDA kernel."""
+        steps use the fused CUDA kernel. Decided once per dtype: this runs every token."""
+        if getattr(self, "_kernel_checked", None) == str(dtype):
+            return
         kernels = _kernel_module()
         usable = kernels is not None and kernels.available(self._core_spec(), dtype)
         self._kernel_for = str(dtype) if usable else ""
+        self._kernel_checked = str(dtype)
 
     def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
         """Pure form of the few-token path: (output [T, hidden], new conv, new recurrent)."""
