@@ -145,7 +145,7 @@ class Session:
         if state is None or state.extras.get("kv_options") != kv:
             return 0
         have = state.tokens
-        common = min(_common_prefix(have, ids), limit)
+        common = min(common_prefix(have, ids), limit)
         if state.can_rewind_to(common):
             return common
         points = [p for p in state.save_points if p <= common]
@@ -311,7 +311,8 @@ def _opens_reasoning(prompt_text: str, open_tag: str = "<think>", close_tag: str
     return i >= 0 and close_tag not in prompt_text[i:]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

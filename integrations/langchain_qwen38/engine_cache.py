@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from qwen38_backend.engine import Model
-from qwen38_backend.session import Session
+from qwen38_backend.session import Session, common_prefix
 from qwen38_backend.worker import engine_thread
 
 T = TypeVar("T")
@@ -28,14 +28,6 @@ DEFAULT_MODEL = "qwen38"  # the registry's default model, else the demo model
 # Each live session holds a whole KV state, so keep few: enough for a conversation plus an
 # interleaved side call (e.g. a structured-output helper) without evicting each other.
 SESSIONS_PER_MODEL = 2
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Engine:
@@ -67,7 +59,7 @@ class Engine:
         for s in self._sessions:
             if s.state is None:
                 continue
-            n = _common_prefix(s.state.tokens, ids)
+            n = common_prefix(s.state.tokens, ids)
             if n > best_len:
                 best, best_len = s, n
         if best is None:
