@@ -1,4 +1,4 @@
-"""The `qwen38` command: run, chat, info, models, fetch-demo, make-tiny."""
+"""The `qwen38` command: run, chat, info, add, models, fetch-demo, make-tiny."""
 
 from __future__ import annotations
 
@@ -115,6 +115,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_add(args: argparse.Namespace) -> int:
+    from .loading.registry import add_weights
+
+    name, target, ckpt = add_weights(args.path, args.name, make_default=args.default)
+    arch = ckpt.config.get("model_type", "?")
+    print(f"added {name} -> {target} ({arch}, {ckpt.format})")
+    if args.default:
+        print(f"{name} is now the default model (`qwen38`, `llm -m qwen38`)")
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from .loading.registry import Registry
 
@@ -127,6 +138,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             continue
         mark = "  (default)" if name == default else ""
         print(f"{name}  {entry.get('path', '')}{mark}")
+    print(f"registry: {reg.path}", file=sys.stderr)
     return 0
 
 
@@ -163,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--context", type=int, default=None, help="print the memory plan for N tokens")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("add", help="register weights under a name (shared with `llm qwen38`)")
+    p.add_argument("path", help="model directory (HF or MLX layout) or .gguf file")
+    p.add_argument("--name", "-n", default=None, help="default: the directory or file name")
+    p.add_argument("--default", action="store_true", help="also make it the default model")
+    p.set_defaults(func=cmd_add)
 
     p = sub.add_parser("models", help="list registered models")
     p.set_defaults(func=cmd_models)

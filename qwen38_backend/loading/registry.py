@@ -1,4 +1,8 @@
-"""Named models: a small JSON registry (`registry.json` in the data directory)."""
+"""Named models: a small JSON registry (`registry.json` in the data directory).
+
+One registry for every entry point: the `qwen38` command, the llm plugin and ChatQwen38 all
+read and write `paths.data_dir()/registry.json`.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +19,12 @@ from . import paths
 
 REGISTRY_FILE = "registry.json"
 DEMO_NAME = "qwen38-demo"
+DEFAULT_ALIAS = "qwen38"  # `llm -m qwen38` / ChatQwen38(model="qwen38"): the default model
+RESERVED_NAMES = (DEMO_NAME, DEFAULT_ALIAS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HOW_TO_ADD = (
-    "register one with `llm qwen38 add PATH` or "
-    "qwen38_backend.loading.registry.Registry().add(NAME, PATH)"
+    "register one with `qwen38 add PATH --name NAME` or `llm qwen38 add PATH --name NAME` "
+    "(both write the one registry every integration reads)"
 )
 
 
@@ -120,9 +126,59 @@ class Registry:
         data["default"] = name
         self._write(data)
 
+    def import_from(self, other: Path) -> list[str]:
+        """Copy the entries of another registry file whose names this one lacks.
+
+        The demo entry is skipped (ensure_demo registers its own copy); the other registry's
+        default becomes this one's when this one has none. Returns the names imported.
+        """
+        old = Registry(other)._read()
+        data = self._read()
+        imported = []
+        for name, entry in sorted(old["models"].items()):
+            ok = isinstance(entry, dict) and isinstance(entry.get("path"), str)
+            if name == DEMO_NAME or name in data["models"] or not ok or not _NAME_RE.match(name):
+                continue
+            data["models"][name] = entry
+            imported.append(name)
+        if data.get("default") is None and old.get("default") in imported:
+            data["default"] = old["default"]
+        if imported:
+            self._write(data)
+        return imported
+
     def _unknown(self, name: str, data: dict[str, Any]) -> ModelNotFoundError:
         known = ", ".join(sorted(data["models"])) or "none"
-        return ModelNotFoundError(f"unknown model {name!r} (registered: {known}); {_HOW_TO_ADD}")
+        return ModelNotFoundError(
+            f"unknown model {name!r} (registered in {self.path}: {known}); {_HOW_TO_ADD}"
+        )
+
+
+def add_weights(path: str | Path, name: str | None = None, make_default: bool = False):
+    """Check that `path` loads (config, weights index, tokenizer), then register it.
+
+    The one way both `qwen38 add` and `llm qwen38 add` register weights. `name` defaults to
+    the directory name (or the .gguf file's stem). Returns (name, resolved path, Checkpoint).
+    Reads the checkpoint, so it imports MLX.
+    """
+    from ..errors import TokenizerError
+    from . import read_checkpoint
+
+    p = Path(path).expanduser()
+    name = name or (p.stem if p.suffix.lower() == ".gguf" else p.name)
+    if name in RESERVED_NAMES:
+        raise InvalidOptionError(f"{name!r} is reserved; choose another --name")
+    validate_name(name)
+    if not p.exists():
+        raise ModelNotFoundError(f"cannot add {name!r}: {p.resolve()} does not exist")
+    ckpt = read_checkpoint(p, tokenizer=True)  # refuse what cannot load before registering
+    if ckpt.tokenizer is None:
+        raise TokenizerError(f"{p}: no tokenizer found (tokenizer.json or GGUF vocab)")
+    reg = Registry()
+    target = reg.add(name, p)
+    if make_default:
+        reg.default = name
+    return name, target, ckpt
 
 
 def resolve(name_or_path: str | Path | None = None) -> Path:
@@ -147,7 +203,7 @@ def resolve(name_or_path: str | Path | None = None) -> Path:
         known = ", ".join(sorted({*data["models"], DEMO_NAME}))
         raise ModelNotFoundError(
             f"{name!r} is neither an existing path nor a registered model name "
-            f"(known: {known}); {_HOW_TO_ADD}"
+            f"(known in {reg.path}: {known}); {_HOW_TO_ADD}"
         )
     target = Path(data["models"][name]["path"])
     if not target.exists():
