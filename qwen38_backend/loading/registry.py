@@ -59,14 +59,20 @@ class Registry:
         return data
 
     def _write(self, data: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".registry-", suffix=".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".registry-", suffix=".tmp")
+        except OSError as e:
+            raise ConfigError(f"cannot write the model registry {self.path}: {e}") from e
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=2, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise ConfigError(f"cannot write the model registry {self.path}: {e}") from e
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
