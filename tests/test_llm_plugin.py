@@ -25,11 +25,13 @@ def weather(city: typing.Literal["Paris", "Berlin"]) -> str:
 
 
 class LLM:
-    """Runs `python -m llm` with an isolated user dir (QWEN38_HOME left to the plugin)."""
+    """Runs `python -m llm` with an isolated user dir and an isolated engine home (registry
+    and weights cache, shared with the `qwen38` command; see test_one_home.py)."""
 
     def __init__(self, user_dir: Path):
         self.user_dir = user_dir
-        self.env = {k: v for k, v in os.environ.items() if k != "QWEN38_HOME"}
+        self.home = user_dir.parent / "qwen38-home"
+        self.env = {**os.environ, "QWEN38_HOME": str(self.home)}
         self.env["LLM_USER_PATH"] = str(user_dir)
         self.env.pop("LLM_RAISE_ERRORS", None)
 
@@ -83,8 +85,8 @@ def tiny(cli, tmp_path) -> str:
 
 @pytest.fixture
 def demo(cli, demo_gguf) -> str:
-    """The demo model, placed where the plugin's QWEN38_HOME expects it (no re-download)."""
-    target = cli.user_dir / "qwen38" / "cache" / "demo" / demo_gguf.name
+    """The demo model, placed in the engine's weights cache (no re-download)."""
+    target = cli.home / "cache" / "demo" / demo_gguf.name
     target.parent.mkdir(parents=True, exist_ok=True)
     target.symlink_to(demo_gguf)
     return "qwen38-demo"
@@ -124,8 +126,9 @@ def test_models_list_shows_demo_alias_and_registered(cli, tiny):
     assert "Qwen3.8 (local): tiny" in out
     listed = cli("qwen38", "list").stdout
     assert "tiny" in listed and "qwen38-demo" in listed
-    # the registry lives under the llm user dir
-    assert (cli.user_dir / "qwen38" / "registry.json").is_file()
+    # the registry is the engine's (shared with `qwen38`), not a copy under the llm user dir
+    assert (cli.home / "registry.json").is_file()
+    assert not (cli.user_dir / "qwen38" / "registry.json").exists()
 
 
 def test_default_alias(cli, tiny):

@@ -5,7 +5,6 @@ Engine modules are imported inside each command, so `llm --help` stays fast.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -35,22 +34,16 @@ def qwen38_group() -> None:
 @click.option("--name", "-n", help="Model name for `llm -m NAME` (default: the directory name)")
 @click.option("--default", "make_default", is_flag=True, help="Also make it the `qwen38` model")
 def add(path: Path, name: str | None, make_default: bool) -> None:
-    """Register a model directory (HF or MLX layout) or a .gguf file."""
-    from qwen38_backend.errors import Qwen38Error
-    from qwen38_backend.loading import read_checkpoint
+    """Register a model directory (HF or MLX layout) or a .gguf file.
 
-    p = path.expanduser()
-    name = name or (p.stem if p.suffix.lower() == ".gguf" else p.name)
-    if name in (_home.DEMO_NAME, _home.DEFAULT_ALIAS):
-        raise click.ClickException(f"{name!r} is reserved; choose another --name")
+    The registry is shared: `qwen38 run NAME` and ChatQwen38(model=NAME) find it too.
+    """
+    from qwen38_backend.errors import Qwen38Error
+    from qwen38_backend.loading.registry import add_weights
+
+    _home.ensure_home()
     try:
-        ckpt = read_checkpoint(p, tokenizer=True)  # refuse what cannot load before registering
-        if ckpt.tokenizer is None:
-            raise click.ClickException(f"{p}: no tokenizer found (tokenizer.json or GGUF vocab)")
-        reg = _registry()
-        target = reg.add(name, p)
-        if make_default:
-            reg.default = name
+        name, target, ckpt = add_weights(path, name, make_default=make_default)
     except Qwen38Error as e:
         _fail(e)
     arch = ckpt.config.get("model_type", "?")
@@ -128,7 +121,11 @@ def info(name: str | None, context: int | None) -> None:
         click.echo(describe(target, context=context))
     except Qwen38Error as e:
         _fail(e)
-    click.echo(f"data dir      {os.environ.get(_home.HOME_ENV)}")
+    from qwen38_backend.loading import paths
+    from qwen38_backend.loading.registry import Registry
+
+    click.echo(f"registry      {Registry().path}")
+    click.echo(f"weights cache {paths.cache_dir()}")
     click.echo(f"checkpoints   {_home.checkpoints_dir()}")
 
 

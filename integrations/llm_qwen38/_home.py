@@ -1,14 +1,22 @@
 """Where the plugin keeps its data, read without importing MLX (stdlib, llm, the registry).
 
-Everything lives under `llm.user_dir()/qwen38` (so LLM_USER_PATH moves it): the model
-registry and demo cache (as QWEN38_HOME, unless the user set QWEN38_HOME), the prefix
-checkpoints, and the plugin's settings.
+Models are shared with the `qwen38` command and ChatQwen38: the registry and the weights
+cache (the demo model) are the engine's own (`qwen38_backend.loading.paths`: QWEN38_HOME, or
+the platform's user data and cache directories), never a copy under llm's directory.
+
+Under `llm.user_dir()/qwen38` (LLM_USER_PATH moves it) the plugin keeps only what belongs
+to llm's conversations: the prefix store of state files that `llm -c` resumes from (beside
+llm's own logs.db, whose conversations they continue) and the plugin's settings.
+
+Older plugin versions kept a registry and a demo copy there too; `ensure_home()` imports
+that registry into the shared one once and moves the demo copy into the shared cache.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +26,8 @@ HOME_ENV = "QWEN38_HOME"
 DEMO_NAME = "qwen38-demo"
 DEFAULT_ALIAS = "qwen38"
 SETTINGS_FILE = "llm-plugin.json"
+LEGACY_REGISTRY = "registry.json"  # where plugin versions before the shared home kept it
+LEGACY_IMPORTED = "registry.json.imported"
 DEFAULT_CHECKPOINT_CAP = 20 * 1024**3  # bytes of prefix checkpoints kept (LRU beyond)
 
 
@@ -26,15 +36,64 @@ def plugin_dir() -> Path:
 
 
 def ensure_home() -> Path:
-    """Point QWEN38_HOME into the llm user dir unless the user chose one; return it."""
-    home = os.environ.get(HOME_ENV)
-    if not home:
-        home = str(plugin_dir())
-        os.environ[HOME_ENV] = home
-    return Path(home).expanduser()
+    """The engine's data directory (registry), shared with `qwen38` and ChatQwen38.
+
+    On the first call after an upgrade, imports the registry an older plugin left under
+    the llm user dir (see `import_legacy`).
+    """
+    from qwen38_backend.loading import paths
+
+    home = paths.data_dir()
+    legacy = plugin_dir() / LEGACY_REGISTRY
+    if legacy.is_file():
+        import_legacy(legacy, home)
+    return home
+
+
+def import_legacy(legacy: Path, home: Path) -> list[str]:
+    """Import an older plugin's registry into the shared one, once; return the names.
+
+    Names the shared registry lacks are copied (a name in both keeps the shared entry);
+    the old demo copy is moved into the shared cache when that has none, else left (and
+    named as safe to delete). The old file is renamed `registry.json.imported` so this runs
+    once. Nothing here may break an `llm` start-up: failures leave everything as it was.
+    """
+    from qwen38_backend.errors import Qwen38Error
+    from qwen38_backend.loading import demo
+    from qwen38_backend.loading.registry import REGISTRY_FILE, Registry
+
+    shared = Registry(home / REGISTRY_FILE)
+    try:
+        if legacy.resolve() == shared.path.resolve():  # QWEN38_HOME is the plugin dir
+            return []
+        names = shared.import_from(legacy)
+    except (Qwen38Error, OSError):
+        return []
+    old_demo = legacy.parent / "cache" / "demo" / Path(demo.GGUF_MEMBER).name
+    moved = demo.adopt(old_demo) if old_demo.exists() else None
+    if moved is not None:
+        for d in (old_demo.parent, old_demo.parent.parent):
+            try:
+                d.rmdir()
+            except OSError:
+                break
+    try:
+        os.replace(legacy, legacy.with_name(LEGACY_IMPORTED))
+    except OSError:
+        pass  # another process got there first
+    lines = [f"qwen38: models now live in {shared.path} (shared with `qwen38` and ChatQwen38)"]
+    if names:
+        lines.append(f"qwen38: imported {', '.join(names)} from {legacy}")
+    if moved is not None:
+        lines.append(f"qwen38: moved the demo model from {old_demo} to {moved}")
+    elif old_demo.exists():
+        lines.append(f"qwen38: {old_demo} is an old copy of the demo model; you may delete it")
+    sys.stderr.write("\n".join(lines) + "\n")
+    return names
 
 
 def checkpoints_dir() -> Path:
+    """The plugin's prefix store (state files `llm -c` resumes from)."""
     return plugin_dir() / "checkpoints"
 
 

@@ -175,8 +175,6 @@ def add_weights(path: str | Path, name: str | None = None, make_default: bool = 
     if name in RESERVED_NAMES:
         raise InvalidOptionError(f"{name!r} is reserved; choose another --name")
     validate_name(name)
-    if not p.exists():
-        raise ModelNotFoundError(f"cannot add {name!r}: {p.resolve()} does not exist")
     ckpt = read_checkpoint(p, tokenizer=True)  # refuse what cannot load before registering
     if ckpt.tokenizer is None:
         raise TokenizerError(f"{p}: no tokenizer found (tokenizer.json or GGUF vocab)")
