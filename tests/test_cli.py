@@ -47,6 +47,18 @@ def test_info_prints_architecture_and_memory_plan(tmp_path, isolated_home):
     assert "memory plan" in out.stdout and "kv" in out.stdout
 
 
+def test_add_then_run_by_name(tmp_path, isolated_home):
+    model = dense_fixture("qwen3", tmp_path)
+    out = qwen38("add", str(model), "--name", "tiny", "--default", env_home=isolated_home)
+    assert out.returncode == 0, out.stderr
+    assert f"added tiny -> {model.resolve()} (qwen3, safetensors)" in out.stdout
+    listed = qwen38("models", env_home=isolated_home)
+    assert f"tiny  {model.resolve()}  (default)" in listed.stdout
+    assert f"registry: {isolated_home / 'registry.json'}" in listed.stderr
+    run = qwen38("run", "tiny", "hi", "--max-tokens", "3", env_home=isolated_home)
+    assert run.returncode == 0, run.stderr
+
+
 def test_make_tiny_writes_a_loadable_checkpoint(tmp_path, isolated_home):
     out = qwen38("make-tiny", "qwen3_5", str(tmp_path / "t"), "--seed", "3", env_home=isolated_home)
     assert out.returncode == 0, out.stderr
@@ -58,7 +70,10 @@ def test_make_tiny_writes_a_loadable_checkpoint(tmp_path, isolated_home):
     "args,expected",
     [
         (["run", "/no/such/model", "hi"], "neither an existing path nor a registered model"),
-        (["info", "not-a-model-name"], "register one"),
+        (["info", "not-a-model-name"], "register one with `qwen38 add PATH --name NAME`"),
+        (["add", "{model}", "--name", "qwen38-demo"], "'qwen38-demo' is reserved"),
+        (["add", "{model}", "--name", "a/b"], "invalid model name"),
+        (["add", "/no/such/model"], "no such file or directory"),
         (["run", "{model}", "hi", "--top-p", "2"], "top_p"),
         (["run", "{model}", "hi", "--kv-topk", "-5"], "kv_topk"),
     ],

@@ -119,3 +119,30 @@ def test_demo_name_resolves_through_ensure_demo(
     monkeypatch.setattr(demo, "ensure_demo", lambda progress=True: calls.append(1) or fake)
     assert resolve(DEMO_NAME) == fake and calls == [1]
     assert resolve(None) == fake  # no default: the demo model
+
+
+def test_import_from_keeps_existing_names_and_skips_the_demo(
+    home: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    old = tmp_path / "old" / "registry.json"
+    old.parent.mkdir()
+    Registry(old).add("tiny", other)
+    Registry(old).add("extra", other)
+    Registry(old).add(DEMO_NAME, other)
+    Registry(old).default = "extra"
+    reg = Registry()
+    reg.add("tiny", model_dir)
+    assert reg.import_from(old) == ["extra"]
+    assert reg.get("tiny") == model_dir.resolve() and reg.get("extra") == other.resolve()
+    assert DEMO_NAME not in reg and reg.default == "extra"
+    assert reg.import_from(old) == []  # nothing new the second time
+
+
+def test_unknown_name_says_where_and_how(home: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as e:
+        Registry().get("nope")
+    msg = str(e.value)
+    assert str(home / "registry.json") in msg
+    assert "`qwen38 add PATH --name NAME`" in msg and "`llm qwen38 add PATH --name NAME`" in msg

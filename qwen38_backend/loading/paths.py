@@ -1,4 +1,12 @@
-"""Where qwen38 keeps its registry and cached downloads."""
+"""Where qwen38 keeps its registry and cached downloads: one home for every entry point.
+
+The `qwen38` command, the llm plugin and ChatQwen38 all use these two directories, so a
+model registered through one is found by the others and the demo model is fetched once.
+`QWEN38_HOME` moves both (registry in it, cache in `$QWEN38_HOME/cache`); otherwise they
+are the platform's user data and cache directories (platformdirs), e.g. on Linux
+`~/.local/share/qwen38` and `~/.cache/qwen38`, on macOS `~/Library/Application Support/qwen38`
+and `~/Library/Caches/qwen38`.
+"""
 
 from __future__ import annotations
 
