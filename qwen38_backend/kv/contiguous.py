@@ -20,10 +20,12 @@ class ContiguousKV:
         cap = 0 if self.keys is None else self.keys.shape[2]
         if need <= cap:
             return
-        grow = ((need - cap + self.step - 1) // self.step) * self.step
+        # Only the first `length` rows are kept (after a truncate, length < cap), so the
+        # new buffer is sized from them: `need` rounded up to whole steps.
+        total = -(-need // self.step) * self.step
         B, H, _, Dk = k.shape
-        new_k = mx.zeros((B, H, grow, Dk), k.dtype)
-        new_v = mx.zeros((B, H, grow, v.shape[3]), v.dtype)
+        new_k = mx.zeros((B, H, total - self.length, Dk), k.dtype)
+        new_v = mx.zeros((B, H, total - self.length, v.shape[3]), v.dtype)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
