@@ -43,9 +43,5 @@ class CheckpointError(Qwen38Error):
     """A checkpoint that is corrupt, truncated, foreign or from another format version."""
 
 
-class SpillError(Qwen38Error):
-    """An I/O failure of the SSD spill tier, raised by the next read."""
-
-
 class Cancelled(Qwen38Error):
     """The caller stopped a generation (Ctrl-C, an abandoned stream) before it finished."""

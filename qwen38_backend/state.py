@@ -48,24 +48,6 @@ def state_kind(layer: object) -> str:
     return f"{kind}({','.join(inner)})" if inner else kind
 
 
-class NoState:
-    """A layer that keeps nothing between calls (e.g. a pure MLP block)."""
-
-    can_truncate = True
-
-    def nbytes(self) -> int:
-        return 0
-
-    def snapshot(self) -> dict[str, mx.array]:
-        return {}
-
-    def restore(self, tensors: dict[str, mx.array]) -> None:
-        pass
-
-    def truncate(self, length: int) -> None:
-        pass
-
-
 @dataclass
 class StateSnapshot:
     """A consistent copy of a SequenceState at one position."""
