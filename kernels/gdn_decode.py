@@ -6,7 +6,7 @@ H200: ~20 ms of host encoding per 27B token, longer than the device's work). Thi
 conv + SiLU, the q/k l2 norms, the gates, the delta rule and the gated RMSNorm of one layer in
 one launch.
 
-Arithmetic follows `gated_deltanet._gdn_core` (the reference recurrence): fp32 state and gate
+Arithmetic follows `qwen38_backend.models.gated_delta.gdn_core` (the op path): fp32 state and gate
 math, rounding to the model dtype where that path rounds (conv output, delta-rule output, the
 normalised value, the weighted norm). `available()` probes the kernel once against that path;
 any mismatch or error disables it (the exact op path then runs).
@@ -22,6 +22,8 @@ import os
 import warnings
 
 import mlx.core as mx
+
+from qwen38_backend.models.gated_delta import CoreSpec, gdn_core
 
 THREADS = 256
 
@@ -157,8 +159,20 @@ def _kernel(spec: tuple):
     )
 
 
-def gdn_decode_step(qkv, z, b, a, hist, conv_w, A_log, dt_bias, S, norm_w, spec: tuple):
-    """Same arguments and results as `gated_deltanet._gdn_core` for one token:
+def gdn_decode_step(
+    qkv: mx.array,
+    z: mx.array,
+    b: mx.array,
+    a: mx.array,
+    hist: mx.array,
+    conv_w: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    S: mx.array,
+    norm_w: mx.array,
+    spec: CoreSpec,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Same arguments and results as `gated_delta.gdn_core` for one token:
     qkv [1, C], z [1, Hv*Dv], b/a [1, Hv], hist [K-1, C], conv_w [C, K], S [Hv, Dv, Dk] fp32.
     Returns (out [1, Hv*Dv], new hist, new S)."""
     hk, hv, dk, dv, eps, activation = spec
@@ -175,7 +189,8 @@ def gdn_decode_step(qkv, z, b, a, hist, conv_w, A_log, dt_bias, S, norm_w, spec:
     return out, hist_out, S_out
 
 
-def supported(spec: tuple) -> bool:
+def supported(spec: CoreSpec) -> bool:
+    """Whether this device and layer shape can run the kernel at all (no probe)."""
     hk, hv, dk, dv, _, activation = spec
     return (
         mx.default_device() == mx.gpu
@@ -187,7 +202,7 @@ def supported(spec: tuple) -> bool:
 
 
 @functools.cache
-def available(spec: tuple, dtype: mx.Dtype) -> bool:
+def available(spec: CoreSpec, dtype: mx.Dtype) -> bool:
     """True when the kernel runs here and agrees with the op path on random inputs (probed
     once per shape and dtype); else False, with a warning when it ran but disagreed."""
     choice = os.environ.get("QWEN38_GDN_KERNEL", "auto")  # auto | off | force (skip the probe)
@@ -195,8 +210,6 @@ def available(spec: tuple, dtype: mx.Dtype) -> bool:
         return False
     if choice == "force":
         return True
-    from qwen38_backend.models.gated_deltanet import _gdn_core
-
     hk, hv, dk, dv, _, _ = spec
     kw = 4
     conv_dim = 2 * hk * dk + hv * dv
@@ -215,7 +228,7 @@ def available(spec: tuple, dtype: mx.Dtype) -> bool:
     ]
     try:
         got = gdn_decode_step(*args, spec=spec)
-        want = _gdn_core(*args, spec=spec)
+        want = gdn_core(*args, spec=spec)
         mx.eval(got, want)
     except Exception as e:  # noqa: BLE001 - any failure means: use the op path
         warnings.warn(f"GDN decode kernel unavailable ({e}); using the op path", stacklevel=2)

@@ -15,13 +15,8 @@ from qwen38_backend.errors import ConfigError, UnsupportedArchitectureError
 from qwen38_backend.loader import load_model
 from qwen38_backend.loading import read_checkpoint
 from qwen38_backend.models import build_model
-from qwen38_backend.models.gated_deltanet import (
-    GatedDeltaNet,
-    GatedDeltaNetState,
-    chunked_gated_delta,
-    prepare_qk,
-    recurrent_gated_delta,
-)
+from qwen38_backend.models.gated_delta import chunked_gated_delta, prepare_qk, recurrent_gated_delta
+from qwen38_backend.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from qwen38_backend.models.load import load_into
 from qwen38_backend.state import RewindError
 from qwen38_backend.testing import make_tiny_checkpoint
