@@ -260,18 +260,8 @@ class QSAAttention(Attention):
 
 
 def _attend_selected(kv, q, k, v, scale, blocks, positions, layer: QSAAttention) -> mx.array:
-    """Append k/v, attend each query over its selected tokens only.
-
-    A store may provide `attend_mask(q, k, v, scale, mask)` / `attend_indices(q, k, v, scale,
-    idx)`; otherwise this reads the contiguous store's buffers.
-    """
+    """Append k/v to the contiguous store, attend each query over its selected tokens only."""
     T = q.shape[2]
-    if T == 1 and hasattr(kv, "attend_indices"):
-        idx = token_indices(blocks[0], int(positions[0].item()), layer.ratio, layer.topk)
-        return kv.attend_indices(q, k, v, scale, idx)
-    if T > 1 and hasattr(kv, "attend_mask"):
-        mask = token_mask(blocks, positions, layer.ratio, int(positions[-1].item()) + 1)
-        return kv.attend_mask(q, k, v, scale, mask)
     kv.append(k, v)
     keys, values = kv.keys[..., : kv.length, :], kv.values[..., : kv.length, :]
     if T == 1:
