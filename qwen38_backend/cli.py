@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import Qwen38Error
@@ -51,10 +55,38 @@ def _options(args: argparse.Namespace) -> dict:
     return opts
 
 
-def _stream_turn(session, messages: list[dict], args: argparse.Namespace) -> str:
-    """Stream one assistant turn to stdout; reasoning goes to stderr, dimmed."""
+@contextlib.contextmanager
+def _interruptible() -> Iterator[threading.Event]:
+    """The first Ctrl-C sets the yielded event (the engine stops at its next prefill chunk or
+    token and the turn ends there); a second one raises KeyboardInterrupt as usual."""
+    cancel = threading.Event()
+
+    def on_sigint(signum, frame):
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield cancel
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stream_turn(session, messages: list[dict], args: argparse.Namespace) -> tuple[str, bool]:
+    """Stream one assistant turn to stdout (reasoning to stderr, dimmed); return the answer
+    and whether Ctrl-C ended it early."""
+    with _interruptible() as cancel:
+        events = session.generate(messages, cancel=cancel, **_options(args))
+        answer = _print_events(session, events, args)
+    if cancel.is_set():
+        sys.stderr.write("qwen38: interrupted\n")
+    return answer, cancel.is_set()
+
+
+def _print_events(session, events, args: argparse.Namespace) -> str:
     answer = []
-    for event in session.generate(messages, **_options(args)):
+    for event in events:
         if event.type == "text":
             answer.append(event.text)
             sys.stdout.write(event.text)
@@ -86,8 +118,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     model = qwen38_backend.load(args.model, dtype=args.dtype)
-    _stream_turn(model.session(), _messages(args.system, prompt), args)
-    return 0
+    _, interrupted = _stream_turn(model.session(), _messages(args.system, prompt), args)
+    return 130 if interrupted else 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -105,7 +137,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() in ("exit", "quit"):
             return 0
         messages.append({"role": "user", "content": line})
-        messages.append({"role": "assistant", "content": _stream_turn(session, messages, args)})
+        answer, _ = _stream_turn(session, messages, args)  # Ctrl-C ends the turn, not the chat
+        messages.append({"role": "assistant", "content": answer})
 
 
 def cmd_info(args: argparse.Namespace) -> int:

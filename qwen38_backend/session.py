@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,7 @@ import mlx.core as mx
 from .admission import MemoryPlan, admit, available_memory, memory_plan
 from .checkpoint import check_compatible, model_fingerprint
 from .engine import GenerationStats, Model, TokenStream
-from .errors import CheckpointError, InvalidOptionError
+from .errors import Cancelled, CheckpointError, InvalidOptionError
 from .events import Event, StreamParser
 from .kv import KV_OPTION_KEYS, collect_kv_stats
 from .prefix_store import PrefixStore
@@ -215,8 +216,14 @@ class Session:
             raise RewindError("nothing to rewind: this session has not run yet")
         self.state.rewind(n)
 
-    def generate(self, prompt, tools=None, **options) -> Iterator[Event]:
-        """Stream events (text, reasoning, tool_call) and a final `done` with usage."""
+    def generate(
+        self, prompt, tools=None, cancel: threading.Event | None = None, **options
+    ) -> Iterator[Event]:
+        """Stream events (text, reasoning, tool_call) and a final `done` with usage.
+
+        Setting `cancel` (from any thread) stops the work at the next prefill chunk or token:
+        the stream ends with finish_reason "cancelled" and the state keeps what was computed.
+        """
         params, kv, template_kwargs = self._split_options(options)
         ids, prompt_text = self.render(prompt, tools, **template_kwargs)
         self._admit(ids, params, kv)
@@ -228,21 +235,28 @@ class Session:
         pending: list[StateSnapshot] = []
         stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
         self.last_stats = stats
-        tokens = self._run(ids, boundary, state, params, stats, pending, recurrent)
+        tokens = self._run(ids, boundary, state, params, stats, pending, recurrent, cancel)
         yield from self._events(TokenStream(tokens, stats), prompt_text, params, pending, tools)
 
-    def _run(self, ids, boundary, state, params, stats, pending, recurrent) -> Iterator[int]:
+    def _run(
+        self, ids, boundary, state, params, stats, pending, recurrent, cancel
+    ) -> Iterator[int]:
         """Engine.run with stops at the message and prompt boundaries to mark / snapshot."""
         t0 = time.perf_counter()
-        if state.offset < boundary < len(ids):
-            self.model.prefill(ids[state.offset : boundary], state)
-            self._mark(state, pending, recurrent)
-        logits = self.model.prefill(ids[state.offset :], state)
+        try:
+            if state.offset < boundary < len(ids):
+                self.model.prefill(ids[state.offset : boundary], state, cancel=cancel)
+                self._mark(state, pending, recurrent)
+            logits = self.model.prefill(ids[state.offset :], state, cancel=cancel)
+        except Cancelled:
+            stats.finish_reason = "cancelled"
+            stats.prefill_seconds = time.perf_counter() - t0
+            return
         self._mark(state, pending, recurrent)
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            yield from self.model.decode(logits, state, params, stats)
+            yield from self.model.decode(logits, state, params, stats, cancel=cancel)
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             stats.kv = collect_kv_stats(state)

@@ -296,12 +296,15 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
     # messages (not ids): the session snapshots at the last message boundary, which models
     # with recurrent layers need to reuse the conversation on the next turn
     events = session.generate(
-        request.messages, tools or None, max_tokens=max_tokens, **template, **sampling
+        request.messages,
+        tools or None,
+        cancel=request.cancel,
+        max_tokens=max_tokens,
+        **template,
+        **sampling,
     )
     try:
         for event in events:
-            if request.cancel.is_set():
-                break
             if event.type == "done":
                 continue  # usage comes from session.last_stats below
             if event.type == "tool_call":
@@ -342,10 +345,10 @@ class _Error:
 _END = object()
 
 
-def _submit(job: Callable[[], None]) -> None:
+def _engine() -> Any:
     from qwen38_backend.worker import engine_thread
 
-    engine_thread().submit(job)
+    return engine_thread()
 
 
 def _work(request: Request, put: Callable[[Any], None]) -> None:
@@ -402,21 +405,49 @@ class _Translator:
 
 
 def execute(model: Any, prompt: llm.Prompt, response: Any, conversation: Any) -> Iterator[Any]:
+    """Stream one answer. The first Ctrl-C stops the engine at the next prefill chunk or token
+    and ends the answer there (llm logs it, so `llm -c` continues after what was shown); a
+    second Ctrl-C leaves at once (the engine thread still stops cleanly at exit)."""
     _home.ensure_home()
     request = build_request(model, prompt, conversation)
+    engine = _engine()
+    engine.cancel_at_exit(request.cancel)
     q: queue.Queue = queue.Queue()
-    _submit(lambda: _work(request, q.put))
+    engine.submit(_work, request, q.put)
     translate = _Translator(response)
     try:
         while True:
-            item = q.get()
+            try:
+                item = q.get()
+            except KeyboardInterrupt:
+                if request.cancel.is_set():
+                    raise
+                request.cancel.set()
+                _note("interrupted: stopping at the next token (Ctrl-C again to quit now)")
+                continue
             if item is _END:
-                return
+                break
             if isinstance(item, _Error):
                 _raise(item.exc)
             yield from translate(item)
     finally:
         request.cancel.set()  # an abandoned stream stops the engine at the next token
+        engine.forget_cancel(request.cancel)
+    info = response.response_json or {}
+    if info.get("finish_reason") == "cancelled":
+        _note(
+            f"stopped after {info.get('generated_tokens', 0)} tokens; the partial answer is "
+            "kept (`llm -c` continues after it)"
+        )
+
+
+def _note(text: str) -> None:
+    """One line on stderr, on its own line (the answer may have stopped mid-line)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.write(f"\nqwen38: {text}\n")
+    sys.stderr.flush()
 
 
 async def execute_async(
@@ -431,7 +462,9 @@ async def execute_async(
         with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    _submit(lambda: _work(request, put))
+    engine = _engine()
+    engine.cancel_at_exit(request.cancel)
+    engine.submit(_work, request, put)
     translate = _Translator(response)
     try:
         while True:
@@ -444,3 +477,4 @@ async def execute_async(
                 yield event
     finally:
         request.cancel.set()
+        engine.forget_cancel(request.cancel)

@@ -1,0 +1,152 @@
+"""Ctrl-C: a real `llm` and `qwen38 run` get SIGINT mid-answer and stop cleanly.
+
+The first SIGINT stops the engine at the next prefill chunk or token; the process must not
+abort ("terminate called without an active exception", exit 134), the partial turn is logged
+by llm, and the next `llm -c` continues that conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import dense_fixture
+from test_llm_plugin import LLM
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch) -> LLM:
+    monkeypatch.delenv("QWEN38_HOME", raising=False)
+    return LLM(tmp_path / "llm-user")
+
+
+@pytest.fixture
+def long_tiny(cli, tmp_path) -> str:
+    """The tiny qwen3 checkpoint with a window long enough to decode for many seconds."""
+    path = dense_fixture("qwen3", tmp_path / "models")
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 32768
+    (path / "config.json").write_text(json.dumps(config))
+    cli("qwen38", "add", str(path), "--name", "long")
+    return "long"
+
+
+class Running:
+    """A subprocess whose stdout is collected by a thread (so the test can wait for output)."""
+
+    def __init__(self, args: list[str], env: dict):
+        # stderr to a file: nobody reads it while the process runs, and a full pipe would
+        # block the process (reasoning text goes there)
+        self.err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            args, env=env, stdout=subprocess.PIPE, stderr=self.err, text=True
+        )
+        self.out: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while chunk := self.proc.stdout.read(1):
+            self.out.append(chunk)
+
+    def wait_for_output(self, timeout: float = 120) -> str:
+        """Block until the process has printed something on stdout (it is answering)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "".join(self.out).strip():
+                return "".join(self.out)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited early ({self.proc.returncode}): {self.stderr()}")
+            time.sleep(0.05)
+        raise AssertionError("no output before the timeout")
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
+
+    def interrupt(self, within: float, times: int = 1) -> tuple[int, str, str, float]:
+        t0 = time.monotonic()
+        for _ in range(times):
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"still running {within}s after SIGINT") from None
+        elapsed = time.monotonic() - t0
+        self.reader.join(5)
+        return self.proc.returncode, "".join(self.out), self.stderr(), elapsed
+
+
+def test_sigint_during_decode_logs_the_partial_turn_and_llm_c_continues(cli, long_tiny):
+    env = {**cli.env, "PYTHONUNBUFFERED": "1"}
+    args = [
+        sys.executable,
+        "-m",
+        "llm",
+        "-m",
+        long_tiny,
+        "hello",
+        "-o",
+        "think",
+        "false",
+        "-o",
+        "max_tokens",
+        "20000",
+    ]
+    run = Running(args, env)
+    shown = run.wait_for_output()
+    code, out, err, elapsed = run.interrupt(within=10)
+    assert "terminate called" not in err and code != 134, err
+    assert code == 0, err  # the answer ended early, like a stop: llm prints and logs it
+    assert "stopped after" in err and elapsed < 5
+    [row] = cli.responses()
+    assert row["response_json"]["finish_reason"] == "cancelled"
+    generated = row["response_json"]["generated_tokens"]
+    assert 0 < generated < 20000
+    assert out.startswith(shown) and row["response"].strip() in out
+    follow = cli("-c", "and then?", "-o", "max_tokens", "3")
+    assert follow.returncode == 0
+    rows = cli.responses()
+    assert len(rows) == 2 and rows[1]["conversation_id"] == row["conversation_id"]
+    # the follow-up reused the interrupted turn's state (nothing recomputed but the new turn)
+    assert rows[1]["token_details"]["cached_tokens"] > 0
+
+
+def test_second_sigint_quits_at_once_without_abort(cli, long_tiny):
+    env = {**cli.env, "PYTHONUNBUFFERED": "1"}
+    args = [
+        sys.executable,
+        "-m",
+        "llm",
+        "-m",
+        long_tiny,
+        "hello",
+        "-o",
+        "think",
+        "false",
+        "-o",
+        "max_tokens",
+        "20000",
+    ]
+    run = Running(args, env)
+    run.wait_for_output()
+    code, _, err, _ = run.interrupt(within=15, times=2)
+    assert "terminate called" not in err and code not in (134, -6), (code, err)
+
+
+def test_sigint_qwen38_run(cli, long_tiny, tmp_path: Path):
+    env = {**cli.env, "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "qwen38_backend.cli", "run", long_tiny, "hello", "--no-think"]
+    run = Running(args + ["--max-tokens", "20000"], env)
+    run.wait_for_output()
+    code, _, err, elapsed = run.interrupt(within=10)
+    assert "terminate called" not in err and "Traceback" not in err, err
+    assert code == 130 and elapsed < 5
