@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from qwen38_backend.config import Qwen4ExpConfig
 from qwen38_backend.errors import ConfigError, WeightsError
 from qwen38_backend.kv.contiguous import ContiguousKV
 from qwen38_backend.loader import load_model
 from qwen38_backend.models import qsa
 from qwen38_backend.models.moe import SparseMoE
 from qwen38_backend.models.ple import head_vocab_sizes, ngram_multipliers, ngram_rows
-from qwen38_backend.models.qwen4_exp import Qwen4ExpConfig
 from qwen38_backend.testing.tiny_qwen4_exp import full_config, text_config, write_tiny_qwen4_exp
 
 FIX = Path(__file__).parent / "fixtures" / "qwen4_exp"

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ..config import model_family
+from ..config import DenseConfig, model_family
 
 
 def build_model(config: dict) -> nn.Module:
     """Instantiate the architecture a config.json describes (weights not loaded)."""
     family = model_family(config)
     if family == "dense":
-        from .dense import DenseConfig, DenseModel
+        from .dense import DenseModel
 
         return DenseModel(DenseConfig.from_dict(config))
     if family == "qwen3_5":

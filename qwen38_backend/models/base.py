@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..config import ModelConfig
 from ..errors import ConfigError
 from ..state import SequenceState
 
@@ -13,7 +14,7 @@ class CausalLM(nn.Module):
     """Base for a family's top-level module; subclasses build `self.model` (with
     `embed_tokens`) and implement `hidden(ids, state)` and `make_state(kv_factory)`."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         if not cfg.tie_word_embeddings:

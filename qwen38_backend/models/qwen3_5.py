@@ -1,22 +1,21 @@
 """qwen3_5: Qwen3.8-27B. 3 Gated DeltaNet layers then 1 gated full-attention layer, repeated;
-zero-centred RMSNorm everywhere except the DeltaNet output norm; optional MTP draft head."""
+zero-centred RMSNorm everywhere except the DeltaNet output norm; optional MTP draft head.
+The config (`Qwen35Config`, validated) is config.py.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import field, text_config
-from ..errors import ConfigError, UnsupportedArchitectureError
+from ..config import LINEAR, Qwen35Config
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, compiled, rope_from_config
-
-LINEAR, FULL = "linear_attention", "full_attention"
 
 # Norms that are zero-centred (1 + w). mlx-lm converted repos store them with +1 folded in.
 _ZC_NORM_SUFFIXES = (
@@ -26,156 +25,6 @@ _ZC_NORM_SUFFIXES = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
-
-
-@dataclass
-class Qwen35Config:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    partial_rotary_factor: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    layer_types: tuple[str, ...]
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    mtp_num_hidden_layers: int
-
-    @property
-    def rotary_dims(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @classmethod
-    def from_dict(cls, config: dict) -> Qwen35Config:
-        c = text_config(config)
-        mtype = str(c.get("model_type", config.get("model_type", "qwen3_5")))
-        where = f"config.json ({mtype})"
-        hidden = field(c, "hidden_size", int, where=where)
-        heads = field(c, "num_attention_heads", int, where=where)
-        kv_heads = field(c, "num_key_value_heads", int, where=where)
-        n_layers = field(c, "num_hidden_layers", int, where=where)
-        # transformers 5 nests theta / partial factor / mrope in rope_parameters
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError(f"{where}: rope_parameters should be a dict, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default", "mrope"):
-            raise UnsupportedArchitectureError(
-                f"{where}: rope type {rope_type!r} is not supported for qwen3_5 (default only)"
-            )
-        theta = field(rope, "rope_theta", float, None, where + " rope_parameters")
-        if theta is None:
-            theta = field(c, "rope_theta", float, 10000.0, where)
-        partial = field(rope, "partial_rotary_factor", float, None, where + " rope_parameters")
-        if partial is None:
-            partial = field(c, "partial_rotary_factor", float, 0.25, where)
-        head_dim = field(c, "head_dim", int, hidden // max(heads, 1), where)
-
-        layer_types = c.get("layer_types")
-        if layer_types is None:
-            interval = field(c, "full_attention_interval", int, 4, where)
-            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
-        if not isinstance(layer_types, (list, tuple)):
-            raise ConfigError(f"{where}: layer_types should be a list, got {layer_types!r}")
-        cfg = cls(
-            model_type=mtype,
-            vocab_size=field(c, "vocab_size", int, where=where),
-            hidden_size=hidden,
-            intermediate_size=field(c, "intermediate_size", int, where=where),
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=field(c, "rms_norm_eps", float, 1e-6, where),
-            rope_theta=theta,
-            partial_rotary_factor=partial,
-            max_position_embeddings=field(c, "max_position_embeddings", int, 262144, where),
-            tie_word_embeddings=field(c, "tie_word_embeddings", bool, False, where),
-            attention_bias=field(c, "attention_bias", bool, False, where),
-            layer_types=tuple(str(t) for t in layer_types),
-            linear_num_key_heads=field(c, "linear_num_key_heads", int, where=where),
-            linear_num_value_heads=field(c, "linear_num_value_heads", int, where=where),
-            linear_key_head_dim=field(c, "linear_key_head_dim", int, where=where),
-            linear_value_head_dim=field(c, "linear_value_head_dim", int, where=where),
-            linear_conv_kernel_dim=field(c, "linear_conv_kernel_dim", int, 4, where),
-            mtp_num_hidden_layers=field(c, "mtp_num_hidden_layers", int, 0, where),
-        )
-        cfg._validate(where, rope, str(c.get("hidden_act", "silu")))
-        return cfg
-
-    def _validate(self, where: str, rope: dict, act: str) -> None:
-        def bad(msg: str) -> ConfigError:
-            return ConfigError(f"{where}: {msg}")
-
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise bad(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}"
-            )
-        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
-        if unknown:
-            raise bad(f"layer_types has unknown entries {unknown} (expected {LINEAR}, {FULL})")
-        for name in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-            "vocab_size",
-        ):
-            if getattr(self, name) <= 0:
-                raise bad(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise bad(
-                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
-                f"linear_num_key_heads ({self.linear_num_key_heads})"
-            )
-        if self.linear_conv_kernel_dim < 2:
-            raise bad(f"linear_conv_kernel_dim must be >= 2, got {self.linear_conv_kernel_dim}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise bad(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.rotary_dims % 2:
-            raise bad(
-                f"head_dim * partial_rotary_factor = {self.rotary_dims} rotary dims must be even"
-            )
-        section = rope.get("mrope_section")
-        if section is not None:
-            # text positions are equal on every axis, so mRoPE reduces to plain 1-D RoPE as
-            # long as the sections cover exactly the rotary frequencies
-            if not isinstance(section, (list, tuple)) or sum(int(s) for s in section) * 2 != (
-                self.rotary_dims
-            ):
-                raise bad(
-                    f"mrope_section {section!r} must sum to rotary dims / 2 = "
-                    f"{self.rotary_dims // 2}"
-                )
-        if act != "silu":
-            raise UnsupportedArchitectureError(f"{where}: hidden_act {act!r} (only silu)")
-        if self.mtp_num_hidden_layers not in (0, 1):
-            raise UnsupportedArchitectureError(
-                f"{where}: mtp_num_hidden_layers {self.mtp_num_hidden_layers} (0 or 1 supported)"
-            )
 
 
 def gated_attention(cfg: Qwen35Config) -> Attention:
@@ -255,8 +104,6 @@ class Qwen35Model(CausalLM):
         super().__init__(cfg)
         self.model = Qwen35Body(cfg)
         if cfg.mtp_num_hidden_layers:
-            from .mtp import Qwen35MTP
-
             self.mtp = Qwen35MTP(cfg)
 
     def make_state(self, kv_factory=ContiguousKV) -> SequenceState:
@@ -274,7 +121,7 @@ class Qwen35Model(CausalLM):
 
     # ----- MTP -----------------------------------------------------------------------------
     def draft_logits(self, hidden: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
-        """MTP draft logits [T, vocab] for positions mtp_state.offset.. (see mtp.py)."""
+        """MTP draft logits [T, vocab] for positions mtp_state.offset.. (see Qwen35MTP)."""
         self._require_mtp()
         return self.mtp.draft_logits(
             hidden, next_tokens, mtp_state, self.model.embed_tokens, self.logits_from_hidden
@@ -304,6 +151,97 @@ class Qwen35Model(CausalLM):
             # e.g. mlx-lm conversions drop the MTP head: load the trunk without it
             del self["mtp"]
         return out
+
+
+# ----- MTP draft head ----------------------------------------------------------------------------
+# No HF reference; layout and formulas follow vLLM (QWEN38.md "MTP"). 15 tensors under `mtp.`:
+#     x = fc(cat[rms_zc(embed[t_{i+1}], pre_fc_norm_embedding), rms_zc(h_i, pre_fc_norm_hidden)])
+#     x = decoder layer (gated full attention + dense MLP, own KV cache, position i)
+#     draft logits = lm_head(rms_zc(x, norm))            # predicts t_{i+2}
+# Embedding and lm_head are the trunk's. Later draft steps feed the post-norm hidden that
+# `Qwen35MTP.hidden` returns as the next h.
+class Qwen35MTPState:
+    """The MTP head's own per-sequence state: a KV store and its position.
+
+    Implements the LayerState protocol (KV is truncatable).
+    """
+
+    can_truncate = True
+
+    def __init__(self, kv_factory=ContiguousKV) -> None:
+        self.kv = kv_factory()
+        self.offset = 0
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes()
+
+    def snapshot(self) -> dict[str, mx.array]:
+        snap = {f"kv.{k}": v for k, v in self.kv.snapshot().items()}
+        snap["offset"] = mx.array(self.offset, dtype=mx.int64)
+        return snap
+
+    def restore(self, tensors: dict[str, mx.array]) -> None:
+        self.kv.restore({k[3:]: v for k, v in tensors.items() if k.startswith("kv.")})
+        self.offset = int(tensors["offset"].item()) if "offset" in tensors else 0
+
+    def truncate(self, length: int) -> None:
+        self.kv.truncate(length)
+        self.offset = min(self.offset, length)
+
+
+class Qwen35MTPLayer(nn.Module):
+    """One decoder layer: gated full attention + SwiGLU, zero-centred norms."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.self_attn = gated_attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True
+        )
+
+    def __call__(self, h: mx.array, kv, offset: int) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), kv, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen35MTP(nn.Module):
+    """The 27B MTP head; parameter names match the checkpoint's `mtp.*` tensors."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(H, eps, zero_centered=True)
+        self.pre_fc_norm_hidden = RMSNorm(H, eps, zero_centered=True)
+        self.layers = [Qwen35MTPLayer(cfg) for _ in range(max(cfg.mtp_num_hidden_layers, 1))]
+        self.norm = RMSNorm(H, eps, zero_centered=True)
+
+    def make_state(self, kv_factory=ContiguousKV) -> Qwen35MTPState:
+        return Qwen35MTPState(kv_factory)
+
+    def hidden(self, hidden: mx.array, next_embeds: mx.array, state: Qwen35MTPState) -> mx.array:
+        """hidden [T, H] (trunk's final-normed h_i), next_embeds [T, H] (embed of t_{i+1})
+        -> post-norm MTP hidden [T, H]; advances state by T positions."""
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        x = self.fc(x)
+        x = self.layers[0](x, state.kv, state.offset)
+        state.offset += x.shape[0]
+        return self.norm(x)
+
+    def draft_logits(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        state: Qwen35MTPState,
+        embed: nn.Embedding,
+        lm_head: Callable[[mx.array], mx.array],
+    ) -> mx.array:
+        """Draft logits [T, vocab] predicting t_{i+2} for positions i = state.offset..+T-1."""
+        return lm_head(self.hidden(hidden, embed(next_tokens.reshape(-1)), state))
 
 
 def build(config: dict) -> Qwen35Model:

@@ -5,31 +5,29 @@ optional MTP head. Layer loop (QWEN38.md):
     R = repeat(embed[ids], hc)
     for l: if PLE at l: R += PLE(R, ids); R = GR(R, attn_hc, mixer); R = GR(R, mlp_hc, MoE)
     logits = lm_head(read(R, hyper_connection_mixer))      # no final norm
+
+The config (`Qwen4ExpConfig`, validated) is config.py.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import field, text_config
-from ..errors import ConfigError, UnsupportedArchitectureError
+from ..config import LINEAR, QSA, Qwen4ExpConfig
+from ..errors import InvalidOptionError, WeightsError
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from .hyper_connections import GatedResidual
-from .layers import RopeSpec
+from .layers import RMSNorm, RopeSpec
 from .moe import SparseMoE, fuse_expert_weights
 from .ple import NgramTable, PLELayer, PLEState
 from .qsa import QSAAttention, QSAState
-
-LINEAR = "linear_attention"
-QSA = "qsa"
 
 # Zero-centred norms (1 + w); mlx-lm style conversions store them with +1 folded in.
 _ZC_NORM_SUFFIXES = (
@@ -43,230 +41,6 @@ _ZC_NORM_SUFFIXES = (
     ".norm_conv.weight",
 )
 _NGRAM_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-
-
-@dataclass
-class Qwen4ExpConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    partial_rotary_factor: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    layer_types: tuple[str, ...]  # LINEAR or QSA per layer
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    output_gate_type: str
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    norm_topk_prob: bool
-    hc_count: int
-    hc_lowrank: int
-    ple_layer_ids: tuple[int, ...]  # 1-based
-    ple_embed_dim: int
-    ple_conv_kernel_size: int
-    ngram_size: int
-    heads_per_ngram: int
-    ngram_vocab_size_base: int
-    make_ngram_vocab_size_divisible_by: int
-    split_ngram_parts: int
-    seed: int
-    eos_token_id: int
-    indexer_n_heads: int
-    indexer_head_dim: int
-    indexer_budget: int
-    indexer_compress_ratio: int
-    mtp_num_hidden_layers: int
-
-    @property
-    def rotary_dims(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @classmethod
-    def from_dict(cls, config: dict) -> Qwen4ExpConfig:
-        c = text_config(config)
-        mtype = str(c.get("model_type", config.get("model_type", "qwen4_exp")))
-        where = f"config.json ({mtype})"
-
-        def f(key, kind, default=...):
-            return (
-                field(c, key, kind, where=where)
-                if default is ...
-                else field(c, key, kind, default, where)
-            )
-
-        hidden = f("hidden_size", int)
-        n_layers = f("num_hidden_layers", int)
-        heads = f("num_attention_heads", int)
-        kv_heads = f("num_key_value_heads", int)
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError(f"{where}: rope_parameters should be a dict, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default", "mrope"):
-            raise UnsupportedArchitectureError(
-                f"{where}: rope type {rope_type!r} is not supported for qwen4_exp (default only)"
-            )
-        rwhere = where + " rope_parameters"
-        theta = field(rope, "rope_theta", float, None, rwhere)
-        theta = f("rope_theta", float, 10000.0) if theta is None else theta
-        partial = field(rope, "partial_rotary_factor", float, None, rwhere)
-        partial = f("partial_rotary_factor", float, 1.0) if partial is None else partial
-
-        raw_types = c.get("layer_types")
-        if raw_types is None:
-            interval = f("full_attention_interval", int, 4)
-            raw_types = [LINEAR if (i + 1) % interval else QSA for i in range(n_layers)]
-        if not isinstance(raw_types, list) or len(raw_types) != n_layers:
-            raise ConfigError(
-                f"{where}: layer_types must list {n_layers} layer types, got {raw_types!r}"
-            )
-        # spellings vary ("full_attention", "indexed_attention", ...): every non-linear is QSA
-        types = tuple(LINEAR if t == LINEAR else QSA for t in raw_types)
-
-        eos = c.get("eos_token_id", config.get("eos_token_id"))
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-
-        gate = c.get("output_gate_type") or c.get("hidden_act") or "silu"
-        if gate not in ("sigmoid", "silu"):
-            raise ConfigError(f"{where}: output_gate_type must be sigmoid or silu, got {gate!r}")
-
-        index = {}
-        for key in (
-            "indexer_n_heads",
-            "indexer_kv_heads",
-            "indexer_head_dim",
-            "indexer_budget",
-            "indexer_compress_ratio",
-        ):
-            index[key] = f(key, int, None)
-        missing = [k for k, v in index.items() if v is None]
-        if missing:
-            raise ConfigError(
-                f"{where}: QSA attention needs {', '.join(missing)} (the indexer_* fields)"
-            )
-
-        cfg = cls(
-            model_type=mtype,
-            vocab_size=f("vocab_size", int),
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=f("head_dim", int, hidden // max(heads, 1)),
-            rms_norm_eps=f("rms_norm_eps", float, 1e-6),
-            rope_theta=theta,
-            partial_rotary_factor=partial,
-            max_position_embeddings=f("max_position_embeddings", int, 262144),
-            tie_word_embeddings=f("tie_word_embeddings", bool, False),
-            layer_types=types,
-            linear_num_key_heads=f("linear_num_key_heads", int),
-            linear_num_value_heads=f("linear_num_value_heads", int),
-            linear_key_head_dim=f("linear_key_head_dim", int),
-            linear_value_head_dim=f("linear_value_head_dim", int),
-            linear_conv_kernel_dim=f("linear_conv_kernel_dim", int, 4),
-            output_gate_type=gate,
-            num_experts=f("num_experts", int),
-            num_experts_per_tok=f("num_experts_per_tok", int),
-            moe_intermediate_size=f("moe_intermediate_size", int),
-            shared_expert_intermediate_size=f("shared_expert_intermediate_size", int),
-            norm_topk_prob=f("norm_topk_prob", bool, True),
-            hc_count=f("hc_count", int, 4),
-            hc_lowrank=f("hc_lowrank", int),
-            ple_layer_ids=tuple(sorted(set(c.get("ple_layer_ids") or []))),
-            ple_embed_dim=f("ple_embed_dim", int, hidden),
-            ple_conv_kernel_size=f("ple_conv_kernel_size", int, 4),
-            ngram_size=f("ngram_size", int, 3),
-            heads_per_ngram=f("heads_per_ngram", int, 8),
-            ngram_vocab_size_base=f("ngram_vocab_size_base", int, 20_000_000),
-            make_ngram_vocab_size_divisible_by=f("make_ngram_vocab_size_divisible_by", int, 128),
-            split_ngram_parts=f("split_ngram_parts", int, 512),
-            seed=f("seed", int, 1234),
-            eos_token_id=-1 if eos is None else int(eos),
-            indexer_n_heads=index["indexer_n_heads"],
-            indexer_head_dim=index["indexer_head_dim"],
-            indexer_budget=index["indexer_budget"],
-            indexer_compress_ratio=index["indexer_compress_ratio"],
-            mtp_num_hidden_layers=f("mtp_num_hidden_layers", int, 0),
-        )
-        cfg.validate(where, index["indexer_kv_heads"])
-        return cfg
-
-    def validate(self, where: str, indexer_kv_heads: int) -> None:
-        def bad(msg: str) -> None:
-            raise ConfigError(f"{where}: {msg}")
-
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-            if getattr(self, key) <= 0:
-                bad(f"{key} must be positive")
-        if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
-            bad("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.linear_num_key_heads <= 0 or (
-            self.linear_num_value_heads % self.linear_num_key_heads
-        ):
-            bad("linear_num_value_heads must be a multiple of linear_num_key_heads")
-        # QSA
-        for key in ("indexer_n_heads", "indexer_head_dim", "indexer_budget"):
-            if getattr(self, key) <= 0:
-                bad(f"{key} must be positive, got {getattr(self, key)}")
-        if self.indexer_compress_ratio <= 0:
-            bad(f"indexer_compress_ratio must be positive, got {self.indexer_compress_ratio}")
-        if indexer_kv_heads != 1:
-            bad(f"indexer_kv_heads must be 1 (one shared indexer key), got {indexer_kv_heads}")
-        if self.indexer_budget % self.indexer_compress_ratio:
-            bad(
-                f"indexer_budget ({self.indexer_budget}) must be a multiple of "
-                f"indexer_compress_ratio ({self.indexer_compress_ratio})"
-            )
-        if self.rotary_dims > self.indexer_head_dim or self.rotary_dims % 2:
-            bad(
-                f"rotary dims {self.rotary_dims} (head_dim x partial_rotary_factor) must be even "
-                f"and fit indexer_head_dim {self.indexer_head_dim}"
-            )
-        # hyper-connections
-        if self.hc_count <= 1:
-            bad(f"hc_count must be > 1, got {self.hc_count}")
-        if self.hc_lowrank <= 0:
-            bad(f"hc_lowrank must be positive, got {self.hc_lowrank}")
-        # MoE
-        if self.num_experts <= 0:
-            bad(f"num_experts must be positive, got {self.num_experts}")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            bad(
-                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                f"got {self.num_experts_per_tok}"
-            )
-        if self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size <= 0:
-            bad("moe_intermediate_size and shared_expert_intermediate_size must be positive")
-        # PLE
-        if self.ple_layer_ids:
-            heads = (self.ngram_size - 1) * self.heads_per_ngram
-            if self.ngram_size < 2 or heads <= 0 or self.ple_embed_dim % heads:
-                bad(
-                    f"ple_embed_dim ({self.ple_embed_dim}) must split evenly over "
-                    f"(ngram_size - 1) * heads_per_ngram = {heads} n-gram heads"
-                )
-            for lid in self.ple_layer_ids:
-                if not 1 <= lid <= self.num_hidden_layers:
-                    bad(f"ple_layer_ids are 1-based in [1, {self.num_hidden_layers}], got {lid}")
-                if self.layer_types[lid - 1] != LINEAR:
-                    bad(f"PLE is only supported on linear_attention layers (layer id {lid})")
-            if self.eos_token_id < 0:
-                bad("eos_token_id must be set when PLE is enabled (it resets the n-gram context)")
-            if self.ple_conv_kernel_size <= 0 or self.ngram_vocab_size_base <= 1:
-                bad("ple_conv_kernel_size and ngram_vocab_size_base must be positive")
 
 
 # ----- per-layer state with PLE -----------------------------------------------------------------
@@ -355,8 +129,6 @@ class Qwen4ExpBlock(nn.Module):
         if not self.is_linear:
             store = kv_factory()
             if not isinstance(store, ContiguousKV):
-                from ..errors import InvalidOptionError
-
                 # QSA reads its own token sets out of the store; the paged QSA store is the
                 # long-context issue's work, not done yet
                 raise InvalidOptionError(
@@ -403,8 +175,6 @@ class Qwen4ExpModel(CausalLM):
         super().__init__(cfg)
         self.model = Qwen4ExpBody(cfg)
         if cfg.mtp_num_hidden_layers:
-            from .mtp_qwen4 import Qwen4ExpMTP
-
             self.mtp = Qwen4ExpMTP(cfg)
 
     def make_state(self, kv_factory=ContiguousKV) -> SequenceState:
@@ -433,7 +203,7 @@ class Qwen4ExpModel(CausalLM):
 
     # ----- MTP -----------------------------------------------------------------------------
     def draft_logits(self, residual: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
-        """MTP draft logits [T, vocab] from trunk residuals [T, hc*hidden] (see mtp_qwen4.py)."""
+        """MTP draft logits [T, vocab] from trunk residuals [T, hc*hidden] (see Qwen4ExpMTP)."""
         self._require_mtp()
         return self.mtp.draft_logits(residual, next_tokens, mtp_state, self)
 
@@ -461,8 +231,6 @@ class Qwen4ExpModel(CausalLM):
         return ok
 
     def _check_table(self, i: int, ple: PLELayer, table: NgramTable) -> None:
-        from ..errors import WeightsError
-
         emb = ple.ple_embedding
         if table.rows != emb.padded_rows or table.dim != emb.head_dim:
             raise WeightsError(
@@ -501,8 +269,6 @@ class Qwen4ExpModel(CausalLM):
         return out
 
     def _take_ngram(self, out: dict[str, mx.array]) -> None:
-        from ..errors import WeightsError
-
         for i, ple in self.ple_layers():
             prefix = f"model.layers.{i}.ple.ple_embedding."
             buffers = {b: out.pop(prefix + b) for b in _NGRAM_BUFFERS if prefix + b in out}
@@ -523,6 +289,102 @@ class Qwen4ExpModel(CausalLM):
             table = NgramTable.from_arrays([shards[k] for k in sorted(shards)])
             self._check_table(i, ple, table)
             ple.ple_embedding.table = table
+
+
+# ----- MTP draft head ----------------------------------------------------------------------------
+# No HF reference; layout and formulas follow vLLM / SGLang (QWEN38.md "MTP"). 31 tensors under
+# `mtp.`:
+#     e  = fc_embedding(rms_zc(embed[t_{i+1}], pre_fc_norm_embedding))             [H]
+#     Hn = rms_zc(H_i, pre_fc_norm_hidden)     ONE statistic over all hc*H features (not grouped)
+#     S  = fc_hidden(Hn per stream) + e on every stream                            [hc*H]
+#     S  = one Flash-Next layer (QSA with its own indexer + MoE, hyper-connections, no PLE)
+#     draft logits = lm_head(read(S, mtp.hyper_connection_mixer))      predicts t_{i+2}
+# H_i is the trunk's residual after its last layer (before the mixer). Embedding and lm_head
+# are the trunk's. Later draft steps feed the returned residual S as the next H.
+class Qwen4ExpMTPState:
+    """The head's own per-sequence state: one QSA layer state per MTP layer, and its position."""
+
+    can_truncate = True
+
+    def __init__(self, layers: list[QSAState]) -> None:
+        self.layers = layers
+        self.offset = 0
+        self.last_residual: mx.array | None = None
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers)
+
+    def snapshot(self) -> dict[str, mx.array]:
+        snap = {
+            f"layer{i}.{k}": v for i, s in enumerate(self.layers) for k, v in s.snapshot().items()
+        }
+        snap["offset"] = mx.array(self.offset, dtype=mx.int64)
+        return snap
+
+    def restore(self, tensors: dict[str, mx.array]) -> None:
+        for i, s in enumerate(self.layers):
+            p = f"layer{i}."
+            s.restore({k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)})
+        self.offset = int(tensors["offset"].item()) if "offset" in tensors else 0
+        self.last_residual = None
+
+    def truncate(self, length: int) -> None:
+        for s in self.layers:
+            s.truncate(length)
+        self.offset = min(self.offset, length)
+
+
+class Qwen4ExpMTP(nn.Module):
+    """Parameter names match the checkpoint's `mtp.*` tensors."""
+
+    def __init__(self, cfg: Qwen4ExpConfig):
+        super().__init__()
+        H, hc, eps = cfg.hidden_size, cfg.hc_count, cfg.rms_norm_eps
+        self.hidden_size, self.hc_count = H, hc
+        self.ratio = cfg.indexer_compress_ratio
+        self.pre_fc_norm_embedding = RMSNorm(H, eps, zero_centered=True)
+        self.pre_fc_norm_hidden = RMSNorm(H * hc, eps, zero_centered=True)
+        self.fc_embedding = nn.Linear(H, H, bias=False)
+        self.fc_hidden = nn.Linear(H, H, bias=False)
+        self.layers = [Qwen4ExpBlock(cfg, QSA) for _ in range(max(cfg.mtp_num_hidden_layers, 1))]
+        self.hyper_connection_mixer = GatedResidual(H, hc, cfg.hc_lowrank, eps, inject=False)
+
+    def make_state(self, kv_factory=ContiguousKV) -> Qwen4ExpMTPState:
+        return Qwen4ExpMTPState([QSAState(kv_factory(), self.ratio) for _ in self.layers])
+
+    def fuse(self, residual: mx.array, next_embeds: mx.array) -> mx.array:
+        """S0 [T, hc*H] from trunk residuals [T, hc*H] and embeddings of t_{i+1} [T, H]."""
+        T = residual.shape[0]
+        e = self.fc_embedding(self.pre_fc_norm_embedding(next_embeds))
+        Hn = self.pre_fc_norm_hidden(residual).reshape(T, self.hc_count, self.hidden_size)
+        return (self.fc_hidden(Hn) + e[:, None, :]).reshape(T, -1)
+
+    def residual(
+        self, residual: mx.array, next_embeds: mx.array, state: Qwen4ExpMTPState
+    ) -> mx.array:
+        """The head's residual after its layer(s) [T, hc*H]; advances `state` by T."""
+        S = self.fuse(residual, next_embeds)
+        for layer, st in zip(self.layers, state.layers, strict=True):
+            S = layer(S, None, st, state.offset)
+        state.offset += S.shape[0]
+        state.last_residual = S
+        return S
+
+    def draft_logits(
+        self,
+        residual: mx.array,
+        next_tokens: mx.array,
+        state: Qwen4ExpMTPState,
+        trunk: Qwen4ExpModel,
+    ) -> mx.array:
+        """Draft logits [T, vocab] predicting t_{i+2} for positions i = state.offset..+T-1.
+
+        `trunk` supplies the shared embedding and lm_head. The head's residual is kept in
+        `state.last_residual` to chain further draft steps.
+        """
+        embeds = trunk.model.embed_tokens(next_tokens.reshape(-1))
+        S = self.residual(residual, embeds, state)
+        return trunk.logits_from_hidden(self.hyper_connection_mixer.read(S))
 
 
 def build(config: dict) -> Qwen4ExpModel:
