@@ -10,7 +10,8 @@ import pytest
 from helpers import DENSE_ARCHS, dense_fixture, dense_reference
 
 import qwen38_backend
-from qwen38_backend.errors import UnsupportedArchitectureError, WeightsError
+from qwen38_backend.config import DenseConfig
+from qwen38_backend.errors import ConfigError, UnsupportedArchitectureError, WeightsError
 
 
 @pytest.fixture(params=DENSE_ARCHS)
@@ -120,3 +121,27 @@ def test_unknown_architecture_is_refused(tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitectureError, match="gpt_neox"):
         qwen38_backend.load(src)
+
+
+def test_dense_rope_read_once():
+    base = {
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    assert DenseConfig.from_dict(base).rope_theta == 10000.0
+    assert DenseConfig.from_dict({**base, "rope_theta": 5e5}).rope_theta == 5e5
+    nested = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    cfg = DenseConfig.from_dict({**base, **nested})  # transformers 5 layout
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    cfg = DenseConfig.from_dict({**base, "rope_theta": 5e5, "rope_scaling": llama3})
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling == llama3
+    with pytest.raises(ConfigError, match="rope_parameters should be a dict"):
+        DenseConfig.from_dict({**base, "rope_scaling": [1, 2]})
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        DenseConfig.from_dict({**base, "num_key_value_heads": 3})

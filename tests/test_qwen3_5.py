@@ -3,6 +3,7 @@ checkpoint, the two Gated DeltaNet forms, state, config validation, sanitize, MT
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -11,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from qwen38_backend.config import Qwen35Config
 from qwen38_backend.errors import ConfigError, UnsupportedArchitectureError
 from qwen38_backend.loader import load_model
 from qwen38_backend.loading import read_checkpoint
@@ -253,6 +255,34 @@ def test_rope_config_errors(rope, match):
 def test_unsupported_activation():
     with pytest.raises(UnsupportedArchitectureError, match="hidden_act"):
         build_model(_config(hidden_act="gelu"))
+
+
+def test_more_config_errors_are_typed():
+    tc = text_config("tiny")
+    del tc["layer_types"]
+    tc["full_attention_interval"] = 0
+    with pytest.raises(ConfigError, match="full_attention_interval"):
+        build_model({"model_type": "qwen3_5", "text_config": tc})
+    tc = text_config("tiny")
+    tc["rope_parameters"] = {**tc["rope_parameters"], "mrope_section": ["a", 2]}
+    with pytest.raises(ConfigError, match="mrope_section"):
+        build_model({"model_type": "qwen3_5", "text_config": tc})
+
+
+def test_a_config_built_in_code_is_validated_too():
+    cfg = Qwen35Config.from_dict(_config())
+    assert dataclasses.replace(cfg).num_key_value_heads == cfg.num_key_value_heads
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        dataclasses.replace(cfg, num_key_value_heads=3)
+    with pytest.raises(UnsupportedArchitectureError, match="mtp_num_hidden_layers"):
+        dataclasses.replace(cfg, mtp_num_hidden_layers=2)
+
+
+def test_gated_deltanet_errors_are_typed():
+    with pytest.raises(ConfigError, match="multiple of key heads"):
+        GatedDeltaNet(16, n_k_heads=3, n_v_heads=4, k_head_dim=4, v_head_dim=4)
+    with pytest.raises(ConfigError, match="silu or sigmoid"):
+        GatedDeltaNet(16, 2, 4, 4, 4, gate_activation="relu")
 
 
 # ----- sanitize ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ validation, state handling, the MTP formula, and a real-shape 4-layer checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -397,6 +398,29 @@ def _cfg(**change) -> dict:
 def test_config_validation_errors(change, match):
     with pytest.raises(ConfigError, match=match):
         Qwen4ExpConfig.from_dict(_cfg(**change))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"eos_token_id": "2"}, "eos_token_id"),
+        ({"ple_layer_ids": ["1"]}, "ple_layer_ids"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "not supported"),
+        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+    ],
+)
+def test_more_config_errors_are_typed(change, match):
+    with pytest.raises(ConfigError, match=match):
+        Qwen4ExpConfig.from_dict(_cfg(**change))
+
+
+def test_a_config_built_in_code_is_validated_too():
+    cfg = Qwen4ExpConfig.from_dict(_cfg())
+    assert dataclasses.replace(cfg) == cfg
+    with pytest.raises(ConfigError, match="hc_count must be > 1"):
+        dataclasses.replace(cfg, hc_count=1)
+    with pytest.raises(ConfigError, match="indexer_kv_heads must be 1"):
+        dataclasses.replace(cfg, indexer_kv_heads=2)
 
 
 def test_layer_type_spellings_all_mean_qsa():
