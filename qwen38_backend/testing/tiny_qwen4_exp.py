@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InvalidOptionError
 from ..models.ple import head_vocab_sizes, ngram_multipliers
 
 TINY = dict(
@@ -191,7 +192,9 @@ def tensor_shapes(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         rows = -(-sum(sizes) // div) * div
         parts = c["split_ngram_parts"]
         if rows % parts:
-            raise ValueError(f"{rows} n-gram rows do not split into {parts} equal shards")
+            raise InvalidOptionError(
+                f"{rows} n-gram rows do not split into {parts} equal shards (split_ngram_parts)"
+            )
         for s in range(parts):
             out[f"{p}.ple_embedding.ngram_embedding.shard_{s}.weight"] = (
                 (rows // parts, E // heads),
