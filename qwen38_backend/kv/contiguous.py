@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .blocked import BLOCK_TOKENS, attend_past, spans
+
 
 class ContiguousKV:
     """K/V for one attention layer of one sequence, grown in steps to avoid per-token copies."""
 
     can_truncate = True
     step = 256
+    block_tokens = BLOCK_TOKENS  # prefill walks a longer past in blocks (kv/blocked.py)
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -42,11 +45,20 @@ class ContiguousKV:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """Append k/v, then causal attention of q (the newest T positions) over everything."""
+        past = self.length
         self.append(k, v)
-        keys = self.keys[..., : self.length, :]
-        values = self.values[..., : self.length, :]
-        mask = "causal" if q.shape[2] > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+        def dense() -> tuple[mx.array, mx.array]:
+            return self.keys[..., : self.length, :], self.values[..., : self.length, :]
+
+        def blocks():
+            for a, b in spans(past, self.block_tokens):
+                yield self.keys[..., a:b, :], self.values[..., a:b, :]
+
+        if q.shape[2] == 1:
+            keys, values = dense()
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+        return attend_past(q, past, blocks, k, v, scale, dense, self.block_tokens)
 
     def nbytes(self) -> int:
         if self.keys is None:

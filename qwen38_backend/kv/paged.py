@@ -27,6 +27,7 @@ import time
 import mlx.core as mx
 
 from ..errors import InvalidOptionError
+from .blocked import BLOCK_TOKENS, attend_past, spans
 from .quest import forced_pages, page_min_max, quest_scores, select_pages
 
 # Set QWEN38_KV_PROFILE=1 (or PagedKV.profile = True) to time selection: it evaluates the
@@ -99,6 +100,7 @@ class PagedKV:
 
     can_truncate = True
     profile = False
+    block_tokens = BLOCK_TOKENS  # prefill walks a longer past in blocks (kv/blocked.py)
 
     def __init__(
         self,
@@ -255,9 +257,24 @@ class PagedKV:
                 return self._attend_selected(q, scale, n_pages, n_sel)
             self.stats["pages_selected"] += n_pages * k.shape[1]
             self.stats["kv_read_bytes"] += self.length * (k[0, :, 0].nbytes + v[0, :, 0].nbytes)
-        keys, values = self._dense_kv()
-        mask = "causal" if T > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        if T == 1:
+            keys, values = self._dense_kv()
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+        past = self.length - T
+        block = max(self.block_tokens // self.page_tokens, 1) * self.page_tokens
+        return attend_past(
+            q, past, lambda: self._past_blocks(past, block), k, v, scale, self._dense_kv, block
+        )
+
+    def _past_blocks(self, past: int, block: int):
+        """K/V of rows [0, past) in page-aligned blocks [1, Hkv, B, D]."""
+        for a, b in spans(past, block):
+            if self.identity:
+                kb, vb = self.pool.k[:, a:b], self.pool.v[:, a:b]
+            else:
+                rows = self._rows(a, b)
+                kb, vb = self.pool.k[:, rows], self.pool.v[:, rows]
+            yield kb[None], vb[None]
 
     def select(self, q: mx.array, n_sel: int) -> mx.array:
         """Selected logical pages per KV head, int32 [Hkv, n_sel] ascending. q: [Hq, D]."""

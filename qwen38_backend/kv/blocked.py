@@ -1,0 +1,112 @@
+"""Blocked attention over a long stored past: an fp32 online-softmax carry (flash style).
+
+A prefill chunk's T queries attend over everything stored before the chunk plus the chunk
+itself (causally). Materialising the scores of the chunk against the whole past takes
+O(T x context) memory (measured: 121 GB peak at 131K tokens on the H200 for a 54 GB model),
+so the past is walked block by block instead, keeping per query row a running max `m`, a
+running sum `l` (`total`) of exp(s - m) and an fp32 accumulator of exp(s - m) @ V:
+
+    m' = max(m, rowmax(s));  l' = l * exp(m - m') + rowsum(exp(s - m'))
+    acc' = acc * exp(m - m') + exp(s - m') @ V
+
+Peak memory is then O(T x block). The chunk's own keys come last, under the causal mask.
+The result equals one-shot softmax attention up to fp32 rounding, in any block order.
+
+Stores call `attend_past(q, past_len, blocks, k, v, scale)`: when the past fits one block
+it runs one `scaled_dot_product_attention` over [past + chunk] (short prompts keep the
+fused path); otherwise it runs the carry over `blocks`, an iterable of K/V blocks
+[1, Hkv, B, D]. A block may come with a third item `True` to say it is transient (read from
+the spill file): the carry is then evaluated after it so the block's memory is freed before
+the next one is read, instead of the lazy graph holding the whole past.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import mlx.core as mx
+
+# Keys per block of the walk. Scores of one block are [Hq, T, BLOCK] fp32: 2048 keys with a
+# 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
+BLOCK_TOKENS = 2048
+
+Block = tuple[mx.array, mx.array] | tuple[mx.array, mx.array, bool]
+
+
+def _carry_step(
+    qf: mx.array,
+    kb: mx.array,
+    vb: mx.array,
+    carry: tuple[mx.array, mx.array, mx.array] | None,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One block into the carry. qf [Hkv, G*T, D] fp32 (pre-scaled); kb, vb [Hkv, B, D]."""
+    s = qf @ kb.astype(mx.float32).swapaxes(1, 2)  # [Hkv, G*T, B]
+    if mask is not None:
+        s = mx.where(mask, s, mx.array(-mx.inf, mx.float32))
+    m_blk = s.max(axis=-1, keepdims=True)
+    if carry is None:
+        p = mx.exp(s - m_blk)
+        return m_blk, p.sum(axis=-1, keepdims=True), p @ vb.astype(mx.float32)
+    m, total, acc = carry
+    m_new = mx.maximum(m, m_blk)
+    alpha = mx.exp(m - m_new)
+    p = mx.exp(s - m_new)
+    total = total * alpha + p.sum(axis=-1, keepdims=True)
+    acc = acc * alpha + p @ vb.astype(mx.float32)
+    return m_new, total, acc
+
+
+def blocked_attention(
+    q: mx.array, blocks: Iterable[Block], k: mx.array, v: mx.array, scale: float
+) -> mx.array:
+    """Causal attention of q [1, Hq, T, D] over the past `blocks` then the chunk k/v.
+
+    k, v: [1, Hkv, T, D] (the chunk's own keys, attended causally: query i sees keys <= i).
+    Blocks: K/V [1, Hkv, B, D] of the stored past in order (order does not change the
+    result beyond rounding). Returns [1, Hq, T, Dv] in q's dtype; all math in fp32.
+    """
+    _, hq, T, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    # Queries of one KV group side by side: [Hkv, G*T, D], scaled once.
+    qf = (q[0].astype(mx.float32) * scale).reshape(hkv, group * T, d)
+    carry = None
+    for block in blocks:
+        kb, vb = block[0], block[1]
+        if kb.shape[2] == 0:
+            continue
+        carry = _carry_step(qf, kb[0], vb[0], carry)
+        if len(block) > 2 and block[2]:
+            mx.eval(carry)  # a transient block: compute now so its buffer can be freed
+    # The chunk itself: query row r (position r % T within the chunk) sees keys <= r % T.
+    rows = mx.arange(T)[:, None] >= mx.arange(T)[None, :]  # [T, T]
+    mask = mx.broadcast_to(rows[None], (group, T, T)).reshape(1, group * T, T)
+    _, total, acc = _carry_step(qf, k[0], v[0], carry, mask)
+    out = (acc / total).reshape(1, hq, T, v.shape[3])
+    return out.astype(q.dtype)
+
+
+def attend_past(
+    q: mx.array,
+    past_len: int,
+    blocks: Callable[[], Iterator[Block]],
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    dense: Callable[[], tuple[mx.array, mx.array]],
+    block_tokens: int = BLOCK_TOKENS,
+) -> mx.array:
+    """A chunk's causal attention over past + chunk: fused one-shot when the past fits one
+    block (`dense()` gives K/V of past + chunk [1, Hkv, past_len + T, D]), else blocked."""
+    if past_len <= block_tokens:
+        keys, values = dense()
+        mask = "causal" if q.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return blocked_attention(q, blocks(), k, v, scale)
+
+
+def spans(length: int, block_tokens: int) -> Iterator[tuple[int, int]]:
+    """[start, end) row ranges of consecutive blocks covering [0, length)."""
+    for start in range(0, length, block_tokens):
+        yield start, min(start + block_tokens, length)
