@@ -119,6 +119,7 @@ class Model:
     """A loaded model: weights, tokenizer, and the generation entry points."""
 
     prefill_chunk = default_prefill_chunk()
+    default_max_tokens = 4096  # when a call sets none (always cut to what the window leaves)
 
     def __init__(self, net, checkpoint, dtype: mx.Dtype, name: str | None = None):
         self.net = net

@@ -45,3 +45,7 @@ class CheckpointError(Qwen38Error):
 
 class Cancelled(Qwen38Error):
     """The caller stopped a generation (Ctrl-C, an abandoned stream) before it finished."""
+
+
+class ContextWindowError(InvalidOptionError):
+    """A prompt (plus max_tokens) that does not fit the model's window or the context option."""

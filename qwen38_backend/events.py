@@ -52,6 +52,9 @@ class Event:
     tool_call: ToolCall | None = None
     finish_reason: str | None = None
     usage: dict | None = None
+    # On a done event cut by max_tokens under a constraint: what was cut ("schema", "json",
+    # "tool_call"), i.e. the output is not a complete value. None otherwise.
+    incomplete: str | None = None
 
     def __post_init__(self) -> None:
         if self.type not in EVENT_TYPES:

@@ -6,10 +6,13 @@ from pathlib import Path
 
 from .engine import Model
 from .loading import read_checkpoint
-from .loading.registry import resolve
+from .loading.demo import demo_path
+from .loading.registry import DEMO_NAME, resolve
 from .models import build_model
 from .models.layers import fuse_projections
 from .models.load import load_into, parse_dtype
+
+DEMO_MAX_TOKENS = 512
 
 
 def load_model(
@@ -29,4 +32,8 @@ def load_model(
     load_into(net, ckpt.weights, ckpt.quantization, compute, dequantize=dequantize)
     fuse_projections(net)
     name = str(path_or_name) if not Path(str(path_or_name)).exists() else path.stem
-    return Model(net, ckpt, compute, name=name)
+    model = Model(net, ckpt, compute, name=name)
+    if name == DEMO_NAME or Path(path).resolve() == demo_path().resolve():
+        # a 135M model on a CPU: its repetition loops would run for many minutes at 4096
+        model.default_max_tokens = DEMO_MAX_TOKENS
+    return model

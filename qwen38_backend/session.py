@@ -12,24 +12,13 @@ import mlx.core as mx
 from .admission import MemoryPlan, admit, available_memory, memory_plan
 from .checkpoint import check_compatible, model_fingerprint
 from .engine import GenerationStats, Model, TokenStream
-from .errors import Cancelled, CheckpointError, InvalidOptionError
+from .errors import Cancelled, CheckpointError
 from .events import Event, StreamParser
-from .kv import KV_OPTION_KEYS, collect_kv_stats
+from .kv import collect_kv_stats
 from .prefix_store import PrefixStore
+from .request import Request, build_request
 from .sampling import SamplingParams
 from .state import RewindError, SequenceState, StateSnapshot
-
-_SAMPLING_KEYS = {
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "logits_processors",
-}
 
 
 class StopStringFilter:
@@ -90,54 +79,14 @@ class Session:
             self.store = default_store()
         return self.store
 
-    def _split_options(self, options: dict) -> tuple[SamplingParams, dict, dict]:
-        """Sampling params, KV store options, and the rest (chat template kwargs)."""
-        merged = {**self.defaults, **options}
-        sampling = {k: v for k, v in merged.items() if k in _SAMPLING_KEYS}
-        kv = {k: v for k, v in merged.items() if k in KV_OPTION_KEYS and v is not None}
-        template = {
-            k: v for k, v in merged.items() if k not in _SAMPLING_KEYS and k not in KV_OPTION_KEYS
-        }
-        return SamplingParams.from_options(**sampling), kv, template
+    def request(self, prompt, tools=None, **options) -> Request:
+        """Decide one call (request.build_request) with this session's defaults under it."""
+        return build_request(self.model, prompt, tools, **{**self.defaults, **options})
 
-    def render(self, prompt, tools=None, **template_kwargs) -> tuple[list[int], str]:
+    def render(self, prompt, tools=None, **options) -> tuple[list[int], str]:
         """Token ids and text of a prompt given as messages, a string, or token ids."""
-        tok = self.model.tokenizer
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidOptionError("prompt must be a non-empty list of messages or token ids")
-        if all(isinstance(p, int) for p in prompt):
-            return list(prompt), tok.decode(list(prompt))
-        if not all(isinstance(m, dict) and "role" in m for m in prompt):
-            raise InvalidOptionError("every message must be a dict with a 'role'")
-        text = tok.apply_chat_template(
-            prompt, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
-        )
-        return tok.encode(text), text
-
-    def message_boundary(self, prompt, ids: list[int], tools=None, **template_kwargs) -> int:
-        """Tokens of the rendered messages before the generation prompt (0 if not a prefix).
-
-        The next turn re-renders these messages the same way (templates change only what
-        follows, e.g. Qwen strips earlier <think> blocks), so a snapshot here is reusable even
-        by recurrent layers, which need the exact boundary.
-        """
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if not prompt or not all(isinstance(m, dict) for m in prompt):
-            return 0
-        tok = self.model.tokenizer
-        try:
-            text = tok.apply_chat_template(
-                prompt, tools=tools, add_generation_prompt=False, tokenize=False, **template_kwargs
-            )
-        except Exception:  # a template may refuse to end without a generation prompt
-            return 0
-        head = tok.encode(text)
-        if 0 < len(head) < len(ids) and ids[: len(head)] == head:
-            return len(head)
-        return 0
+        req = self.request(prompt, tools, **options)
+        return req.ids, req.text
 
     # ----- state selection ----------------------------------------------------------------
     def _live_reuse(self, ids: list[int], kv: dict, limit: int) -> int:
@@ -221,13 +170,16 @@ class Session:
     ) -> Iterator[Event]:
         """Stream events (text, reasoning, tool_call) and a final `done` with usage.
 
-        Setting `cancel` (from any thread) stops the work at the next prefill chunk or token:
-        the stream ends with finish_reason "cancelled" and the state keeps what was computed.
+        `prompt`: messages, a string, token ids, or a Request (build one with `request()`
+        to see the token ids first; it is then not rendered again). Options: sampling, KV,
+        `tool_choice`, `tool_style`, `response_format`, `reasoning`, `context`,
+        `enable_thinking`, `chat_template_kwargs` (request.py decides them). Setting
+        `cancel` (from any thread) stops the work at the next prefill chunk or token: the
+        stream ends with finish_reason "cancelled" and the state keeps what was computed.
         """
-        params, kv, template_kwargs = self._split_options(options)
-        ids, prompt_text = self.render(prompt, tools, **template_kwargs)
+        req = prompt if isinstance(prompt, Request) else self.request(prompt, tools, **options)
+        ids, params, kv = req.ids, req.params, req.kv
         self._admit(ids, params, kv)
-        boundary = self.message_boundary(prompt, ids, tools, **template_kwargs)
         state = self._prepare_state(ids, kv)
         self.state = state
         cached = state.offset
@@ -235,8 +187,8 @@ class Session:
         pending: list[StateSnapshot] = []
         stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
         self.last_stats = stats
-        tokens = self._run(ids, boundary, state, params, stats, pending, recurrent, cancel)
-        yield from self._events(TokenStream(tokens, stats), prompt_text, params, pending, tools)
+        tokens = self._run(ids, req.boundary, state, params, stats, pending, recurrent, cancel)
+        yield from self._events(TokenStream(tokens, stats), req, pending)
 
     def _run(
         self, ids, boundary, state, params, stats, pending, recurrent, cancel
@@ -284,18 +236,12 @@ class Session:
             store.put(self.model, final, fingerprint=fp, supersede=state.can_truncate)
         pending.clear()
 
-    def _events(
-        self,
-        stream,
-        prompt_text: str,
-        params: SamplingParams,
-        pending: list[StateSnapshot],
-        tools: list | None = None,
-    ) -> Iterator[Event]:
+    def _events(self, stream: TokenStream, req: Request, pending: list[StateSnapshot]):
         tok = self.model.tokenizer
         state = self.state
+        params = req.params
         detok = tok.detokenizer()
-        parser = StreamParser(start_in_reasoning=_opens_reasoning(prompt_text), tools=tools)
+        parser = StreamParser(start_in_reasoning=req.thinking, tools=req.tools)
         stops = StopStringFilter(params.stop)
         stop_ids = set(
             self.model.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
@@ -316,13 +262,12 @@ class Session:
         stats = stream.stats
         if state is not None:
             self._persist(state, pending)
-        yield Event(type="done", finish_reason=stats.finish_reason, usage=stats.usage())
-
-
-def _opens_reasoning(prompt_text: str, open_tag: str = "<think>", close_tag: str = "</think>"):
-    """True when the rendered prompt leaves a <think> block open (the model starts reasoning)."""
-    i = prompt_text.rfind(open_tag)
-    return i >= 0 and close_tag not in prompt_text[i:]
+        yield Event(
+            type="done",
+            finish_reason=stats.finish_reason,
+            usage=stats.usage(),
+            incomplete=req.constrained if stats.finish_reason == "length" else None,
+        )
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -565,6 +565,11 @@ class Tokenizer:
         """Token ids of `text`; special-token strings in it encode as their single ids."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of `text` and the character offset where each token ends."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [end for _, end in enc.offsets]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; special tokens appear as their text unless skipped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -97,11 +97,22 @@ def test_multi_turn_recurrent_reuses_the_message_boundary(name, request, tmp_pat
             # recurrent layers cannot be cut: reuse ends at the last message boundary of the
             # previous turn (the end of its last user message), which prefixes this prompt
             prev_msgs = msgs[: 2 * i - 1]
-            boundary = session.message_boundary(prev_msgs, turns[i - 1][2], enable_thinking=False)
+            boundary = _messages_end(model, prev_msgs, turns[i - 1][2])
             assert 0 < boundary <= common_prefix_len(before, ids)
+            assert session.request(prev_msgs, enable_thinking=False).boundary == boundary
             assert usage["cached"] == boundary
         msgs.append({"role": "assistant", "content": text})
     assert [t[0] for t in turns] == _recomputed(model)
+
+
+def _messages_end(model, messages, ids) -> int:
+    """Tokens of the messages rendered without the generation prompt, when they prefix ids
+    (computed separately: a second tokenization, as the session did before)."""
+    tok = model.tokenizer
+    head = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=False, enable_thinking=False)
+    )
+    return len(head) if ids[: len(head)] == head and len(head) < len(ids) else 0
 
 
 def test_fresh_session_resumes_from_disk(dense, qwen3_5, tmp_path):

@@ -29,7 +29,6 @@ from llm.parts import StreamEvent
 
 from . import _home, _prefix
 
-DEFAULT_MAX_TOKENS = 4096
 MAX_SESSIONS = 8  # live conversations kept per process (LRU)
 
 _MODELS: dict[Path, Any] = {}
@@ -175,12 +174,6 @@ def tool_specs(prompt: llm.Prompt) -> list[dict]:
     return specs
 
 
-def opens_reasoning(prompt_text: str) -> bool:
-    """True when the rendered prompt leaves a <think> block open (output starts reasoning)."""
-    i = prompt_text.rfind("<think>")
-    return i >= 0 and "</think>" not in prompt_text[i:]
-
-
 # ----- one generation (engine thread) -------------------------------------------------------
 
 
@@ -214,99 +207,35 @@ def build_request(model: Any, prompt: llm.Prompt, conversation: Any) -> Request:
     )
 
 
-def _generation_defaults(model: Any) -> dict[str, Any]:
-    """Sampling defaults from generation_config.json when the model asks to sample."""
-    gen = model.generation_config or {}
-    if not gen.get("do_sample"):
-        return {}
-    return {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
-
-
-def _tool_style(model: Any) -> str:
-    template = getattr(model.tokenizer, "chat_template", None) or ""
-    return "qwen_xml" if "<function=" in template else "json"
-
-
 def run(request: Request, emit: Callable[[tuple], None]) -> None:
-    """Generate on the engine thread; emit ("text"|"reasoning"|"tool_call"|"done", payload)."""
-    from qwen38_backend import constrained
+    """Generate on the engine thread; emit ("text"|"reasoning"|"tool_call"|"done", payload).
 
+    Only translation happens here: llm's options map onto one Session.generate call, which
+    decides reasoning, constraints, the window and max_tokens (qwen38_backend.request)."""
     path = resolve_target(request.target)
     model = load(path)
     opts = dict(request.options)
     cache = opts.pop("cache", True)
     session = session_for(model, path, request.conversation_id, cache)
-
-    template: dict[str, Any] = {}
-    tool_choice = opts.pop("tool_choice", "auto")
-    tool_style = opts.pop("tool_style", None) or _tool_style(model)
-    tools = request.tools if tool_choice != "none" else []
-    # forced only while the user spoke last: after tool results the model answers freely
-    force_tool = bool(tools) and tool_choice not in ("auto", "none")
-    force_tool = force_tool and request.messages[-1]["role"] == "user"
-
-    think = opts.pop("think", None)
-    if think is None and (request.schema is not None or force_tool):
-        think = False  # a constrained answer should not first spend tokens on reasoning
-    if think is not None:
-        template["enable_thinking"] = bool(think)
-
-    ids, prompt_text = session.render(request.messages, tools or None, **template)
-    context = opts.pop("context", None)
-    max_tokens = opts.pop("max_tokens", DEFAULT_MAX_TOKENS)
-    if context is not None:
-        if len(ids) >= context:
-            raise llm.ModelError(
-                f"the prompt is {len(ids)} tokens, over the context option ({context}); "
-                "raise -o context or shorten the conversation"
-            )
-        max_tokens = min(max_tokens, context - len(ids))
-
-    thinking = opens_reasoning(prompt_text)
-    processors = []
-    if request.schema is not None:
-        processors.append(
-            constrained.json_schema_processor(
-                model, constrained.close_objects(request.schema), thinking=thinking
-            )
-        )
-    elif force_tool:
-        processors.append(
-            constrained.tool_call_processor(
-                model,
-                [
-                    {
-                        **t,
-                        "function": {
-                            **t["function"],
-                            "parameters": constrained.close_objects(t["function"]["parameters"]),
-                        },
-                    }
-                    for t in tools
-                ],
-                choice=tool_choice,
-                style=tool_style,
-                thinking=thinking,
-            )
-        )
-
-    sampling = {**_generation_defaults(model), **opts}
-    if processors:
-        sampling["logits_processors"] = processors
-    # messages (not ids): the session snapshots at the last message boundary, which models
-    # with recurrent layers need to reuse the conversation on the next turn
-    events = session.generate(
+    # messages (not ids): the request records the last message boundary, where models with
+    # recurrent layers snapshot to reuse the conversation on the next turn
+    req = session.request(
         request.messages,
-        tools or None,
-        cancel=request.cancel,
-        max_tokens=max_tokens,
-        **template,
-        **sampling,
+        request.tools or None,
+        tool_choice=opts.pop("tool_choice", None),
+        tool_style=opts.pop("tool_style", None),
+        response_format=request.schema,
+        reasoning=opts.pop("think", None),
+        model_sampling=True,
+        **opts,
     )
+    events = session.generate(req, cancel=request.cancel)
+    incomplete = None
     try:
         for event in events:
             if event.type == "done":
-                continue  # usage comes from session.last_stats below
+                incomplete = event.incomplete  # usage comes from session.last_stats below
+                continue
             if event.type == "tool_call":
                 emit(("tool_call", event.tool_call))
             elif event.text:
@@ -318,7 +247,7 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
         "model": request.model_id,
         "weights": str(path),
         "finish_reason": stats.finish_reason if stats else None,
-        "prompt_tokens": stats.prompt_tokens if stats else len(ids),
+        "prompt_tokens": stats.prompt_tokens if stats else len(req.ids),
         "cached_tokens": stats.cached_tokens if stats else 0,
         "checkpoint_error": _prefix.last_error() if cache else None,
         "generated_tokens": stats.generated_tokens if stats else 0,
@@ -327,9 +256,8 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
         "prefill_seconds": round(stats.prefill_seconds, 4) if stats else 0,
         "decode_seconds": round(stats.decode_seconds, 4) if stats else 0,
         "kv": dict(stats.kv) if stats else {},
-        "constrained": "schema"
-        if request.schema is not None
-        else ("tool_call" if processors else None),
+        "constrained": req.constrained,
+        "incomplete": incomplete,
     }
     emit(("done", info))
 
@@ -434,6 +362,13 @@ def execute(model: Any, prompt: llm.Prompt, response: Any, conversation: Any) ->
         request.cancel.set()  # an abandoned stream stops the engine at the next token
         engine.forget_cancel(request.cancel)
     info = response.response_json or {}
+    if info.get("incomplete"):
+        what = {"tool_call": "tool call"}.get(info["incomplete"], "JSON")
+        raise llm.ModelError(
+            f"the answer was cut at max_tokens ({info['generated_tokens']} tokens) before the "
+            f"{what} was complete (finish_reason: length): the output above is not valid; "
+            "raise -o max_tokens"
+        )
     if info.get("finish_reason") == "cancelled":
         _note(
             f"stopped after {info.get('generated_tokens', 0)} tokens; the partial answer is "
