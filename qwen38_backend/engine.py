@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -105,8 +106,14 @@ def state_arrays(state: SequenceState) -> list[mx.array]:
 
 
 def default_prefill_chunk() -> int:
-    """Tokens per prefill chunk: 512 on a GPU; 128 on the CPU, where throughput is the same
-    (measured on the demo) and a chunk is the unit a cancel waits for."""
+    """Tokens per prefill chunk: $QWEN38_PREFILL_CHUNK, else 512 on a GPU and 128 on the CPU,
+    where throughput is the same (measured on the demo) and a chunk is what a cancel waits
+    for."""
+    env = os.environ.get("QWEN38_PREFILL_CHUNK", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise InvalidOptionError(f"QWEN38_PREFILL_CHUNK={env!r}: must be a positive integer")
+        return int(env)
     return 512 if mx.default_device().type == mx.DeviceType.gpu else 128
 
 

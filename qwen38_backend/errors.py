@@ -49,3 +49,8 @@ class Cancelled(Qwen38Error):
 
 class ContextWindowError(InvalidOptionError):
     """A prompt (plus max_tokens) that does not fit the model's window or the context option."""
+
+
+class OutputCutError(Qwen38Error, ValueError):
+    """A constrained answer (JSON schema, JSON mode, forced tool call) cut by max_tokens
+    before it was complete: what was generated is not a valid value."""

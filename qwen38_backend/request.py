@@ -57,6 +57,7 @@ class Request:
     tools: list[dict] | None = None  # as the stream parser should read calls back
     thinking: bool = False  # the prompt leaves a <think> block open
     constrained: str | None = None  # "schema", "json" or "tool_call"
+    grammar: Any = None  # the constraint's GrammarProcessor (says whether output is complete)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -174,6 +175,7 @@ def build_request(
     sampling["max_tokens"] = _max_tokens(model, len(ids), sampling.get("max_tokens"), window)
     thinking = opens_reasoning(text)
     processors = list(sampling.get("logits_processors") or [])
+    n_given = len(processors)
     if constrained == "tool_call":
         style = tool_style or (
             features.call_style if features and features.native_tools else "json"
@@ -204,6 +206,7 @@ def build_request(
         tools=tools or None,
         thinking=thinking,
         constrained=constrained,
+        grammar=processors[n_given] if len(processors) > n_given else None,
         template_kwargs=template,
     )
 

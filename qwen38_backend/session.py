@@ -246,7 +246,9 @@ class Session:
         stop_ids = set(
             self.model.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         )
+        generated: list[int] = []
         for token in stream:
+            generated.append(token)
             if token in stop_ids:
                 continue
             yield from parser.feed(stops.feed(detok.add(token)))
@@ -266,8 +268,17 @@ class Session:
             type="done",
             finish_reason=stats.finish_reason,
             usage=stats.usage(),
-            incomplete=req.constrained if stats.finish_reason == "length" else None,
+            incomplete=_incomplete(req, stats.finish_reason, generated),
         )
+
+
+def _incomplete(req: Request, finish_reason: str | None, generated: list[int]) -> str | None:
+    """What a length cut left unfinished: the constraint, unless its grammar had already
+    reached an end (e.g. a complete tool call followed by whitespace)."""
+    if finish_reason != "length" or req.grammar is None:
+        return None
+    req.grammar.sync(generated)
+    return None if req.grammar.is_accepting else req.constrained
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

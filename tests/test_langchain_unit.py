@@ -16,16 +16,14 @@ from langchain_core.messages import (
 )
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_qwen38 import ChatQwen38
-from langchain_qwen38.chat_models import _normalize_tool_choice
 from langchain_qwen38.engine_cache import loaded_engines
-from langchain_qwen38.messages import (
-    template_features,
-    to_template_messages,
-)
+from langchain_qwen38.messages import to_template_messages
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
 
+from qwen38_backend.chat_format import template_features, template_messages
 from qwen38_backend.events import parse_completion
+from qwen38_backend.request import normalize_tool_choice
 from qwen38_backend.templates import QWEN3_CHAT_TEMPLATE
 from qwen38_backend.tokenizer import render_chat_template
 
@@ -100,7 +98,7 @@ def test_qwen_template_native_tool_rendering() -> None:
     features = template_features(QWEN3_CHAT_TEMPLATE)
     assert features.native_tools and features.call_style == "qwen_xml"
     tools = [convert_to_openai_tool(Weather)]
-    msgs, template_tools = to_template_messages(_history(), tools, features)
+    msgs, template_tools = template_messages(to_template_messages(_history()), tools, features)
     assert template_tools == tools
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool"]
     assert msgs[0]["content"] == "You are terse.\n\nUse tools."
@@ -120,7 +118,7 @@ def test_plain_template_gets_tools_as_text() -> None:
     features = template_features(CHATML)
     assert not features.native_tools and features.call_style == "json"
     tools = [convert_to_openai_tool(Weather)]
-    msgs, template_tools = to_template_messages(_history(), tools, features)
+    msgs, template_tools = template_messages(to_template_messages(_history()), tools, features)
     assert template_tools is None
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert "<tools>" in msgs[0]["content"] and msgs[0]["content"].startswith("You are terse.")
@@ -132,7 +130,6 @@ def test_plain_template_gets_tools_as_text() -> None:
 
 
 def test_list_content_and_refused_blocks() -> None:
-    features = template_features(QWEN3_CHAT_TEMPLATE)
     msg = AIMessage(
         [
             {"type": "text", "text": "some text"},
@@ -140,28 +137,28 @@ def test_list_content_and_refused_blocks() -> None:
         ],
         tool_calls=[{"name": "Weather", "args": {"city": "Rome"}, "id": "a"}],
     )
-    msgs, _ = to_template_messages([HumanMessage("hi"), msg], None, features)
+    msgs = to_template_messages([HumanMessage("hi"), msg])
     assert msgs[1]["content"] == "some text" and len(msgs[1]["tool_calls"]) == 1
     image = HumanMessage([{"type": "image", "url": "https://example.com/x.png"}])
     with pytest.raises(ValueError, match="text only"):
-        to_template_messages([image], None, features)
+        to_template_messages([image])
     structured = ToolMessage([{"type": "json", "json": {"a": 1}}], tool_call_id="a")
-    msgs, _ = to_template_messages([HumanMessage("x"), structured], None, features)
+    msgs = to_template_messages([HumanMessage("x"), structured])
     assert json.loads(msgs[1]["content"]) == [{"type": "json", "json": {"a": 1}}]
 
 
 def test_tool_choice_forms() -> None:
     tools = [convert_to_openai_tool(Weather)]
-    assert _normalize_tool_choice(None, tools) is None
-    assert _normalize_tool_choice("auto", tools) == "auto"
-    assert _normalize_tool_choice("required", tools) == "any"
-    assert _normalize_tool_choice(True, tools) == "any"
-    assert _normalize_tool_choice("Weather", tools) == "Weather"
+    assert normalize_tool_choice(None, tools) == "auto"
+    assert normalize_tool_choice("auto", tools) == "auto"
+    assert normalize_tool_choice("required", tools) == "any"
+    assert normalize_tool_choice(True, tools) == "any"
+    assert normalize_tool_choice("Weather", tools) == "Weather"
     fn = {"type": "function", "function": {"name": "Weather"}}
-    assert _normalize_tool_choice(fn, tools) == "Weather"
-    with pytest.raises(ValueError, match="not a bound tool"):
-        _normalize_tool_choice("nope", tools)
-    with pytest.raises(ValueError, match="not a bound tool"):
+    assert normalize_tool_choice(fn, tools) == "Weather"
+    with pytest.raises(ValueError, match="is not one of the tools"):
+        normalize_tool_choice("nope", tools)
+    with pytest.raises(ValueError, match="is not one of the tools"):
         ChatQwen38().bind_tools([Weather], tool_choice="nope")
 
 

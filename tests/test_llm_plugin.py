@@ -368,3 +368,30 @@ def test_demo_schema(cli, demo):
         "-m", demo, "--schema", json.dumps(schema), "Paris as JSON", "-o", "max_tokens", "30",
     )  # fmt: skip
     jsonschema.validate(json.loads(out.stdout), schema)
+
+
+def tiny_tokenizer(cli):
+    from qwen38_backend.loading.registry import Registry
+    from qwen38_backend.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(Registry(cli.home / "registry.json").get("tiny"))
+
+
+def prompt_of(tokenizer, n: int) -> str:
+    """'fig fig ...' of about n tokens in this tokenizer (the issue's 330 demo tokens)."""
+    words = 1
+    while len(tokenizer.encode("fig " * words)) < n:
+        words += 1
+    return "fig " * words
+
+
+def test_cached_short_prompt_then_longer_one(cli, tiny):
+    """Issue 19: `llm -m M hi`, then a prompt longer than the KV buffer's first growth step,
+    failed with a broadcast error on every retry (only -o cache false avoided it). With the
+    GPU's 512-token prefill chunk: on the CPU's 128 the first chunk never outgrew the buffer."""
+    cli.env["QWEN38_PREFILL_CHUNK"] = "512"
+    cli("-m", tiny, "hi", "-o", "max_tokens", "3")
+    long_prompt = prompt_of(tiny_tokenizer(cli), 330)  # past the first 256-row buffer
+    first = cli("-m", tiny, long_prompt, "-o", "max_tokens", "4")
+    cold = cli("-m", tiny, long_prompt, "-o", "max_tokens", "4", "-o", "cache", "false")
+    assert first.stdout == cold.stdout

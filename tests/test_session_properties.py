@@ -178,6 +178,7 @@ def test_cached_short_prompt_then_longer_one(tmp_path, extra):
     config["max_position_embeddings"] = 4096
     (path / "config.json").write_text(json.dumps(config))
     model = qwen38_backend.load(str(path))
+    model.prefill_chunk = 512  # the GPU's chunk (the CPU's 128 never outgrows the buffer)
     session = model.session(cache=PrefixStore(tmp_path / "store"))
     short = [5, 6, 7, 8, 9]
     list(session.generate(short, max_tokens=3))

@@ -34,52 +34,17 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from qwen38_backend.errors import OutputCutError
 
 from .engine_cache import DEFAULT_MODEL, Engine, get_engine
-from .messages import TemplateFeatures, template_features, to_template_messages
+from .messages import to_template_messages
 
 __all__ = ["ChatQwen38"]
 
 PROVIDER = "qwen38"
-DEFAULT_MAX_TOKENS = 1024
 _SAMPLING_FIELDS = ("temperature", "max_tokens", "top_p", "top_k", "min_p", "seed")
-# call kwargs that are ours (or LangChain's) and never reach the engine
-_CALL_KEYS = {"tools", "tool_choice", "response_format", "model", "reasoning", "stream"}
-
-
-def _opens_reasoning(prompt: str) -> bool:
-    """True when the rendered prompt leaves a <think> block open (the model starts reasoning)."""
-    i = prompt.rfind("<think>")
-    return i >= 0 and "</think>" not in prompt[i:]
-
-
-def _tool_name(tool: dict[str, Any]) -> str:
-    return tool["function"]["name"] if "function" in tool else tool["name"]
-
-
-def _normalize_tool_choice(tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str | None:
-    """None / "auto" / "none" / "any" / a tool name, from every form LangChain passes."""
-    if tool_choice is None or tool_choice == "auto":
-        return None if tool_choice is None else "auto"
-    if tool_choice is True:
-        return "any"
-    if tool_choice is False:
-        return "none"
-    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}
-        fn = tool_choice.get("function") or {}
-        tool_choice = fn.get("name") or tool_choice.get("name")
-    if tool_choice == "required":
-        return "any"
-    if not isinstance(tool_choice, str):
-        raise ValueError(f"unsupported tool_choice {tool_choice!r}")
-    if tool_choice not in ("any", "none"):
-        names = [_tool_name(t) for t in tools or []]
-        if tool_choice not in names:
-            raise ValueError(
-                f"tool_choice {tool_choice!r} is not a bound tool (tools: {', '.join(names)})"
-            )
-    return tool_choice
 
 
 class _Cancelled(Exception):
@@ -113,21 +78,22 @@ class ChatQwen38(BaseChatModel):
     `.gguf` path. `qwen38` means the registry's default model, else the demo model."""
     dtype: str | None = None
     """Compute dtype ('float32', 'bfloat16', 'float16'); None: the backend's choice."""
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0)
     """Sampling temperature; 0 or None is greedy."""
-    max_tokens: int | None = None
-    """Most tokens to generate (reasoning included); None: 1024."""
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    """Most tokens to generate (reasoning included); None: the model's default (4096, the demo
+    512), cut to what the window leaves. Prompt + max_tokens over the window is refused."""
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    seed: int | None = Field(default=None, ge=0)
     """Seed for sampling; the same seed and prompt give the same output."""
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     """Stop strings (not included in the output)."""
-    timeout: float | None = None
+    timeout: float | None = Field(default=None, gt=0)
     """Seconds a generation may run (waiting for a busy model included) before it is stopped
     with TimeoutError."""
-    max_retries: int = 0
+    max_retries: int = Field(default=0, ge=0)
     """Accepted for compatibility with API-backed chat models; local generation is not
     retried."""
     streaming: bool = False
@@ -139,6 +105,18 @@ class ChatQwen38(BaseChatModel):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra options for every call: KV store options (`kv_paged`, `kv_topk`, ...) or extra
     chat-template variables."""
+
+    @field_validator("model_kwargs")
+    @classmethod
+    def _known_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # refused by name at construction, not at the first call
+        from qwen38_backend.request import KNOWN_OPTIONS
+
+        unknown = sorted(set(value) - KNOWN_OPTIONS - {"tools", "tool_choice", "response_format"})
+        if unknown:
+            known = ", ".join(sorted(KNOWN_OPTIONS))
+            raise ValueError(f"unknown model_kwargs {', '.join(unknown)}; known: {known}")
+        return value
 
     # ----- identity ----------------------------------------------------------------------
 
@@ -196,90 +174,35 @@ class ChatQwen38(BaseChatModel):
     def _engine(self, model: str | None = None) -> Engine:
         return get_engine(model or self.model, self.dtype)
 
-    def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Session.generate options from the fields and the call's kwargs (LangChain's names
+        translated: `reasoning`, `response_format`, `tool_choice` pass through; the engine
+        decides what they mean and refuses options it does not know, by name)."""
+        kwargs = dict(kwargs)
+        kwargs.pop("model", None)
+        kwargs.pop("stream", None)
+        kwargs.pop("ls_structured_output_format", None)
         opts: dict[str, Any] = {}
         for key in _SAMPLING_FIELDS:
             value = kwargs.pop(key, getattr(self, key))
             if value is not None:
                 opts[key] = value
-        opts.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-        if "stop_token_ids" in kwargs:  # advanced: [] generates up to max_tokens
-            opts["stop_token_ids"] = kwargs.pop("stop_token_ids")
         stops = stop if stop is not None else self.stop
         if stops:
             opts["stop"] = list(stops)
-        return opts
+        reasoning = kwargs.pop("reasoning", self.reasoning)
+        if reasoning is not None:
+            opts["reasoning"] = reasoning
+        return {**self.model_kwargs, **opts, **kwargs}
 
     def _prepare(
         self, engine: Engine, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
-    ) -> tuple[list[int], list[dict[str, Any]], dict[str, Any]]:
-        """(prompt token ids, template messages, Session.generate options).
-
-        The session renders the messages itself again (it snapshots at the message boundary,
-        which recurrent models need to reuse a conversation); rendering here too tells which
-        session holds the longest prefix and whether the prompt opens a <think> block.
-        """
-        kwargs = dict(kwargs)
-        model = engine.model
-        tok = model.tokenizer
-        features: TemplateFeatures = template_features(tok.chat_template)
-
-        tools = kwargs.pop("tools", None) or None
-        choice = _normalize_tool_choice(kwargs.pop("tool_choice", None), tools)
-        if choice == "none":
-            tools = None
-        forced = choice not in (None, "auto", "none") and bool(tools)
-        response_format = kwargs.pop("response_format", None)
-        if forced and response_format is not None:
-            raise ValueError("a forced tool_choice and a response_format cannot be combined")
-        reasoning = kwargs.pop("reasoning", self.reasoning)
-        kwargs.pop("model", None)
-        kwargs.pop("stream", None)
-
-        sampling = self._sampling(stop, kwargs)
-        extra = {**self.model_kwargs, **kwargs}
-        from qwen38_backend.kv import KV_OPTION_KEYS
-
-        engine_opts = {k: v for k, v in extra.items() if k in KV_OPTION_KEYS}
-        template_kwargs = {k: v for k, v in extra.items() if k not in KV_OPTION_KEYS}
-        constrained = forced or response_format is not None
-        if reasoning is not None:
-            template_kwargs.setdefault("enable_thinking", bool(reasoning))
-        elif constrained:
-            # a constrained answer should not wait behind free-running reasoning
-            template_kwargs.setdefault("enable_thinking", False)
-
-        dicts, template_tools = to_template_messages(messages, tools, features)
-        prompt = tok.apply_chat_template(
-            dicts, tools=template_tools, add_generation_prompt=True, **template_kwargs
-        )
-        ids = tok.encode(prompt)
-        thinking = _opens_reasoning(prompt)  # the grammar must then allow reasoning first
-
-        processors = []
-        if forced:
-            from qwen38_backend import constrained as qc
-
-            style = features.call_style if features.native_tools else "json"
-            processors.append(
-                qc.tool_call_processor(model, tools, choice, style=style, thinking=thinking)
-            )
-        elif response_format is not None:
-            from qwen38_backend import constrained as qc
-
-            if response_format in ("json", {"type": "json_object"}):
-                processors.append(qc.json_mode_processor(model, thinking=thinking))
-            else:
-                schema = response_format
-                if isinstance(schema, dict) and schema.get("type") == "json_schema":
-                    schema = schema["json_schema"]["schema"]  # OpenAI response_format form
-                # the listed properties are the whole object (as OpenAI's strict mode)
-                schema = qc.close_objects(schema)
-                processors.append(qc.json_schema_processor(model, schema, thinking=thinking))
-        if processors:
-            sampling["logits_processors"] = processors
-        options = {**template_kwargs, **sampling, **engine_opts, "tools": template_tools}
-        return ids, dicts, options
+    ) -> Any:
+        """The engine's Request for this call (rendered and tokenized once, here)."""
+        options = self._options(stop, kwargs)
+        tools = options.pop("tools", None) or None
+        dicts = to_template_messages(messages)
+        return engine.model_request(dicts, tools, **options)
 
     def _job(
         self,
@@ -303,13 +226,13 @@ class ChatQwen38(BaseChatModel):
 
         try:
             check()
-            ids, dicts, options = self._prepare(engine, messages, stop, kwargs)
-            session = engine.acquire_session(ids)
-            if options.get("seed") is not None and session.state is not None:
+            request = self._prepare(engine, messages, stop, kwargs)
+            session = engine.acquire_session(request.ids)
+            if request.params.seed is not None and session.state is not None:
                 # the live state carries the previous call's RNG key, which would override
                 # the seed: drop it so a seed reproduces its output
                 session.state.extras.pop("rng_key", None)
-            events = session.generate(dicts, **options)
+            events = session.generate(request, cancel=cancelled)
             try:
                 for chunk in self._chunks_from_events(events, model_name, check):
                     emit(("chunk", chunk))
@@ -399,6 +322,12 @@ class ChatQwen38(BaseChatModel):
                     },
                     chunk_position="last",
                 )
+                if event.incomplete:
+                    raise OutputCutError(
+                        f"{model_name}: the answer was cut at max_tokens ({generated} tokens) "
+                        f"before the {event.incomplete.replace('_', ' ')} was complete "
+                        "(finish_reason: length); raise max_tokens"
+                    )
 
     # ----- LangChain entry points --------------------------------------------------------
 
@@ -494,8 +423,10 @@ class ChatQwen38(BaseChatModel):
         arguments match the tool's schema. `strict` is accepted for compatibility: forced
         calls are always schema-exact.
         """
+        from qwen38_backend.request import normalize_tool_choice
+
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
-        _normalize_tool_choice(tool_choice, formatted)  # fail now, not at the first call
+        normalize_tool_choice(tool_choice, formatted)  # fail now, not at the first call
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(

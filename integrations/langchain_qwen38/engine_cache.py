@@ -52,6 +52,13 @@ class Engine:
         """Run fn on the engine thread and wait for its result."""
         return self.submit(fn, *args, **kwargs).result()
 
+    def model_request(self, prompt: Any, tools: list | None = None, **options: Any) -> Any:
+        """The engine's decision for one call (qwen38_backend.request.build_request)."""
+        from qwen38_backend.request import build_request
+
+        assert self.model is not None
+        return build_request(self.model, prompt, tools, **options)
+
     def acquire_session(self, ids: list[int]) -> Session:
         """The session that can reuse the most of `ids` (engine thread only)."""
         assert self.model is not None
