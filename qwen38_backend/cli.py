@@ -14,7 +14,13 @@ from .errors import Qwen38Error
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most tokens to generate (default: the model's, cut to its window); 0 reads the "
+        "prompt into the prefix store and generates nothing (a later call reuses it)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
