@@ -6,79 +6,18 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from .errors import Cancelled, InvalidOptionError
+from .generation import GenerationStats, TokenStream
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
 from .sampling import Sampler, SamplingParams
+from .session import Session
 from .state import SequenceState
-
-if TYPE_CHECKING:
-    from .session import Session
-
-
-@dataclass
-class GenerationStats:
-    """What one generation did: counts, why it stopped, and how fast."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    finish_reason: str | None = None
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    kv: dict = field(default_factory=dict)  # the KV store's counters (pages, bytes read, ...)
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        n = self.prompt_tokens - self.cached_tokens
-        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        # the first token comes from prefill logits; the rest each cost one decode step
-        n = max(self.generated_tokens - 1, 0)
-        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt": self.prompt_tokens,
-            "cached": self.cached_tokens,
-            "generated": self.generated_tokens,
-        }
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **self.usage(),
-            "finish_reason": self.finish_reason,
-            "prefill_seconds": self.prefill_seconds,
-            "decode_seconds": self.decode_seconds,
-            "prefill_tokens_per_second": self.prefill_tokens_per_second,
-            "decode_tokens_per_second": self.decode_tokens_per_second,
-            "kv": dict(self.kv),
-        }
-
-
-class TokenStream:
-    """Iterator over generated token ids; `stats` is complete once it is exhausted."""
-
-    def __init__(self, tokens: Iterator[int], stats: GenerationStats):
-        self._tokens = tokens
-        self.stats = stats
-
-    def __iter__(self) -> TokenStream:
-        return self
-
-    def __next__(self) -> int:
-        return next(self._tokens)
-
-    def close(self) -> None:
-        self._tokens.close()
 
 
 def state_arrays(state: SequenceState) -> list[mx.array]:
@@ -128,14 +67,14 @@ class Model:
     prefill_chunk = default_prefill_chunk()
     default_max_tokens = 4096  # when a call sets none (always cut to what the window leaves)
 
-    def __init__(self, net, checkpoint, dtype: mx.Dtype, name: str | None = None):
+    def __init__(self, net, weights, dtype: mx.Dtype, name: str | None = None):
         self.net = net
-        self.checkpoint = checkpoint
+        self.weights = weights  # loading.Weights (its tensors now live in net)
         self.dtype = dtype
-        self.tokenizer = checkpoint.tokenizer
+        self.tokenizer = weights.tokenizer
         self.config = net.config
-        self.generation_config = dict(checkpoint.generation_config or {})
-        self.name = name or Path(checkpoint.source).name
+        self.generation_config = dict(weights.generation_config or {})
+        self.name = name or Path(weights.source).name
         self.eos_token_ids = self._eos_ids()
 
     def _eos_ids(self) -> list[int]:
@@ -269,6 +208,4 @@ class Model:
             y = next_y
 
     def session(self, **options) -> Session:
-        from .session import Session
-
         return Session(self, **options)

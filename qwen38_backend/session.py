@@ -5,20 +5,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from .admission import MemoryPlan, admit, available_memory, memory_plan
 from .checkpoint import check_compatible, model_fingerprint
-from .engine import GenerationStats, Model, TokenStream
 from .errors import Cancelled, CheckpointError
 from .events import Event, StreamParser
+from .generation import GenerationStats, TokenStream
 from .kv import collect_kv_stats
 from .prefix_store import PrefixStore
 from .request import Request, build_request
 from .sampling import SamplingParams
 from .state import RewindError, SequenceState, StateSnapshot
+
+if TYPE_CHECKING:
+    from .engine import Model
 
 
 class StopStringFilter:

@@ -1,0 +1,66 @@
+"""What one generation did (GenerationStats) and the stream of its token ids (TokenStream)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did: counts, why it stopped, and how fast."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    finish_reason: str | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    kv: dict = field(default_factory=dict)  # the KV store's counters (pages, bytes read, ...)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # the first token comes from prefill logits; the rest each cost one decode step
+        n = max(self.generated_tokens - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt": self.prompt_tokens,
+            "cached": self.cached_tokens,
+            "generated": self.generated_tokens,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.usage(),
+            "finish_reason": self.finish_reason,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "prefill_tokens_per_second": self.prefill_tokens_per_second,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+            "kv": dict(self.kv),
+        }
+
+
+class TokenStream:
+    """Iterator over generated token ids; `stats` is complete once it is exhausted."""
+
+    def __init__(self, tokens: Iterator[int], stats: GenerationStats):
+        self._tokens = tokens
+        self.stats = stats
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+    def close(self) -> None:
+        self._tokens.close()
