@@ -46,6 +46,7 @@ PLAN_OPTIONS = frozenset(
         "kv_paged",
         "kv_page_tokens",
         "kv_pool_tokens",
+        "kv_spill_dir",
         "kv_topk",
         "kv_sinks",
         "kv_recent",
@@ -276,7 +277,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         rows, old_rows = _contiguous_rows(schedule)
         how = f"contiguous, {rows} rows (steps of {CONTIGUOUS_STEP})"
     spill_rows = 0
-    if pool_tokens is not None:
+    if pool_tokens is not None and pool_tokens != "auto":
         pool_tokens = int(pool_tokens)
         if pool_tokens < context:
             spill_rows = _ceil(context, 1) - pool_tokens

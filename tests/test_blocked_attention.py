@@ -11,7 +11,16 @@ from helpers import DENSE_ARCHS, dense_fixture
 
 import qwen38_backend
 from qwen38_backend.kv import ContiguousKV, PagedKV, PagePool
+from qwen38_backend.kv import blocked as blocked_module
 from qwen38_backend.kv.blocked import blocked_attention, spans
+
+
+def tiny_weights(arch: str, directory, seed: int = 0):
+    # make_tiny_checkpoint is being renamed make_tiny_weights: accept either.
+    from qwen38_backend import testing
+
+    make = getattr(testing, "make_tiny_weights", None) or testing.make_tiny_checkpoint
+    return make(arch, directory, seed=seed)
 
 
 def rand(rng, *shape, scale=1.0):
@@ -81,6 +90,7 @@ def check_blocked_prefill(net, monkeypatch, n=150, chunk=40, block=16):
     }
     for name, maker in makers.items():
         unblocked = chunked_logits(net, ids, maker(), chunk)
+        monkeypatch.setattr(blocked_module, "ONE_SHOT_BYTES", 0)
         monkeypatch.setattr(ContiguousKV, "block_tokens", block)
         monkeypatch.setattr(PagedKV, "block_tokens", block)
         blocked = chunked_logits(net, ids, maker(), chunk)
@@ -102,7 +112,7 @@ def test_blocked_prefill_equals_one_shot_dense(arch, tmp_path, monkeypatch):
 
 
 def test_blocked_prefill_equals_one_shot_qwen3_5(tmp_path, monkeypatch):
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
-    model = qwen38_backend.load(str(make_tiny_checkpoint("qwen3_5", tmp_path / "q", seed=5)))
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path / "q", seed=5)))
     check_blocked_prefill(model.net, monkeypatch)

@@ -4,7 +4,7 @@
 store; models call it once per attention layer in `make_state`. Every store implements
 `attend(q, k, v, scale)` plus the LayerState protocol (state.py).
 
-Options (wherever sampling options are accepted):
+Options (wherever sampling options are accepted; validated and decided by policy.choose_kv):
 - kv_paged: "off" (contiguous store), "on" (paged, Quest whenever the budget does not cover
   the context), "auto" (paged, Quest from 4x the budget on). Unset: "off", or "on" when any
   other kv_ option is given.
@@ -12,69 +12,78 @@ Options (wherever sampling options are accepted):
   rounded up to whole pages; a budget >= the context means dense.
 - kv_page_tokens: tokens per page. kv_sinks: leading tokens always selected. kv_recent: tokens
   before the open page always selected (both rounded up to whole pages).
+- kv_pool_tokens: resident rows per attention layer (the page pool's fixed capacity), or
+  "auto" (default): sized from the memory available when the sequence first writes.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
-from ..errors import InvalidOptionError
 from .contiguous import ContiguousKV
-from .paged import PagedKV, PagePool
-
-KV_OPTION_KEYS = frozenset({"kv_paged", "kv_topk", "kv_page_tokens", "kv_sinks", "kv_recent"})
-
-KV_DEFAULTS = {"kv_topk": 2048, "kv_page_tokens": 32, "kv_sinks": 32, "kv_recent": 64}
-_MINIMUM = {"kv_topk": 1, "kv_page_tokens": 1, "kv_sinks": 0, "kv_recent": 0}
-_MAX_PAGE_TOKENS = 4096
+from .paged import PagedKV
+from .policy import KV_DEFAULTS, KV_OPTION_KEYS, KVChoice, auto_pool_tokens, choose_kv
+from .pool import PagePool
 
 __all__ = [
     "KV_OPTION_KEYS",
     "KV_DEFAULTS",
     "ContiguousKV",
+    "KVChoice",
+    "KVFactory",
     "PagedKV",
     "PagePool",
+    "choose_kv",
     "collect_kv_stats",
     "make_kv_factory",
 ]
 
 
-def _int_option(name: str, value) -> int:
-    # CLIs hand options over as strings; accept decimal strings, refuse bools and floats.
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidOptionError(f"{name}={value!r}: must be an integer")
-    if value < _MINIMUM[name]:
-        raise InvalidOptionError(f"{name}={value}: must be >= {_MINIMUM[name]}")
-    if name == "kv_page_tokens" and value > _MAX_PAGE_TOKENS:
-        raise InvalidOptionError(f"{name}={value}: must be <= {_MAX_PAGE_TOKENS}")
-    return value
+class KVFactory:
+    """Builds the paged stores of one sequence (models call it once per attention layer).
+
+    What the layers of a sequence share lives here: the auto pool size, computed once when
+    the first layer writes (from the memory available then and the number of layers built).
+    """
+
+    def __init__(self, choice: KVChoice):
+        self.choice = choice
+        self.layers = 0
+        self._auto_tokens: int | None | bool = False  # False: not computed yet
+
+    def __call__(self) -> PagedKV:
+        c = self.choice
+        self.layers += 1
+        pages = c.pool_pages()
+        return PagedKV(
+            page_tokens=c.page_tokens,
+            topk=c.topk,
+            sinks=c.sinks,
+            recent=c.recent,
+            mode=c.mode,
+            pool_pages=pages if pages is not None else self._auto_pages,
+        )
+
+    def _auto_pages(self, page_bytes: int) -> int | None:
+        """Per-layer pool pages of an auto pool (the same token count for every layer)."""
+        P = self.choice.page_tokens
+        if self._auto_tokens is False:
+            from ..admission import available_memory
+
+            self._auto_tokens = auto_pool_tokens(available_memory(), self.layers * page_bytes // P)
+        if self._auto_tokens is None:
+            return None
+        from .policy import AUTO_MIN_PAGES
+
+        return max(-(-self._auto_tokens // P), AUTO_MIN_PAGES)
 
 
 def make_kv_factory(**options) -> Callable[[], object]:
     """A factory for the KV store the options ask for (validated with InvalidOptionError)."""
-    unknown = set(options) - KV_OPTION_KEYS
-    if unknown:
-        raise InvalidOptionError(f"unknown KV option(s): {', '.join(sorted(unknown))}")
-    options = {k: v for k, v in options.items() if v is not None}
-    sized = {name: _int_option(name, options.get(name, KV_DEFAULTS[name])) for name in KV_DEFAULTS}
-    paged = options.get("kv_paged")
-    if paged is None:
-        paged = "on" if set(options) - {"kv_paged"} else "off"
-    if paged not in ("on", "off", "auto"):
-        raise InvalidOptionError(f"kv_paged={paged!r}: must be 'on', 'off' or 'auto'")
-    if paged == "off":
+    choice = choose_kv(**options)
+    if not choice.paged:
         return ContiguousKV
-    return functools.partial(
-        PagedKV,
-        page_tokens=sized["kv_page_tokens"],
-        topk=sized["kv_topk"],
-        sinks=sized["kv_sinks"],
-        recent=sized["kv_recent"],
-        mode=paged,
-    )
+    return KVFactory(choice)
 
 
 # Counters that every layer reports identically (summing them over layers would be wrong).

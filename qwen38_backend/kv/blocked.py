@@ -13,11 +13,12 @@ Peak memory is then O(T x block). The chunk's own keys come last, under the caus
 The result equals one-shot softmax attention up to fp32 rounding, in any block order.
 
 Stores call `attend_past(q, past_len, blocks, k, v, scale)`: when the past fits one block
-it runs one `scaled_dot_product_attention` over [past + chunk] (short prompts keep the
-fused path); otherwise it runs the carry over `blocks`, an iterable of K/V blocks
-[1, Hkv, B, D]. A block may come with a third item `True` to say it is transient (read from
-the spill file): the carry is then evaluated after it so the block's memory is freed before
-the next one is read, instead of the lazy graph holding the whole past.
+(or the scores are small: ONE_SHOT_BYTES) it runs one `scaled_dot_product_attention` over
+[past + chunk] (short prompts keep the fused path); otherwise it runs the carry over
+`blocks`, an iterable of K/V blocks [1, Hkv, B, D]. A block may come with a third item
+`True` to say it is transient (read from the spill file): the carry is then evaluated
+after it, so the block's memory is freed before the next one is read instead of the lazy
+graph holding the whole past.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import mlx.core as mx
 # Keys per block of the walk. Scores of one block are [Hq, T, BLOCK] fp32: 2048 keys with a
 # 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
 BLOCK_TOKENS = 2048
+# One-shot attention also runs when its scores [Hq, T, past + T] fp32 stay this small: the
+# fused kernel is faster than the walk at short contexts, and the bound is still a constant.
+ONE_SHOT_BYTES = 128 << 20
 
 Block = tuple[mx.array, mx.array] | tuple[mx.array, mx.array, bool]
 
@@ -98,8 +102,10 @@ def attend_past(
     block_tokens: int = BLOCK_TOKENS,
 ) -> mx.array:
     """A chunk's causal attention over past + chunk: fused one-shot when the past fits one
-    block (`dense()` gives K/V of past + chunk [1, Hkv, past_len + T, D]), else blocked."""
-    if past_len <= block_tokens:
+    block or its scores fit ONE_SHOT_BYTES (`dense()` gives K/V of past + chunk
+    [1, Hkv, past_len + T, D]), else blocked."""
+    _, hq, T, _ = q.shape
+    if past_len <= block_tokens or hq * T * (past_len + T) * 4 <= ONE_SHOT_BYTES:
         keys, values = dense()
         mask = "causal" if q.shape[2] > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)

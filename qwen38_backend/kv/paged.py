@@ -20,79 +20,23 @@ sealed pages and the running min/max of its open page.
 
 from __future__ import annotations
 
-import heapq
 import os
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..errors import InvalidOptionError
+from ..errors import AdmissionError, InvalidOptionError
 from .blocked import BLOCK_TOKENS, attend_past, spans
+from .pool import PagePool, PoolFullError
 from .quest import forced_pages, page_min_max, quest_scores, select_pages
+from .table import PageTable
 
 # Set QWEN38_KV_PROFILE=1 (or PagedKV.profile = True) to time selection: it evaluates the
 # selection separately each step, which serialises decode, so it is off by default.
 PROFILE_ENV = "QWEN38_KV_PROFILE"
 
-
-class PagePool:
-    """Slots of `page_tokens` rows for one attention layer; grows by whole blocks of pages."""
-
-    min_grow_pages = 64
-
-    def __init__(self, page_tokens: int):
-        self.page_tokens = page_tokens
-        self.k: mx.array | None = None  # [Hkv, capacity * page_tokens, D]
-        self.v: mx.array | None = None
-        self.capacity = 0
-        self._free: list[int] = []  # min-heap: lowest slot first keeps tables identity-mapped
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def page_bytes(self) -> int:
-        if self.k is None:
-            return 0
-        return self.page_tokens * (self.k[:, 0].nbytes + self.v[:, 0].nbytes)
-
-    def nbytes(self) -> int:
-        return self.capacity * self.page_bytes()
-
-    def pages_view(self, which: str = "k") -> mx.array:
-        """The pool as [slots, page_tokens, kv_heads, head_dim] (a reshape, no copy)."""
-        arr = self.k if which == "k" else self.v
-        hkv, _, d = arr.shape
-        return arr.reshape(hkv, self.capacity, self.page_tokens, d).transpose(1, 2, 0, 3)
-
-    def reserve(self, n_pages: int, like_k: mx.array, like_v: mx.array) -> None:
-        """Make room for n_pages more allocations (rows shaped like like_k/like_v [Hkv,T,D])."""
-        short = n_pages - len(self._free)
-        if short <= 0:
-            return
-        # Geometric growth (x1.5, at least a block): the copy happens once per block, never
-        # per token, and the pool stays within 1.5x of what is resident.
-        grow = max(short, self.min_grow_pages, self.capacity // 2)
-        rows = grow * self.page_tokens
-        new_k = mx.zeros((like_k.shape[0], rows, like_k.shape[2]), like_k.dtype)
-        new_v = mx.zeros((like_v.shape[0], rows, like_v.shape[2]), like_v.dtype)
-        if self.k is None:
-            self.k, self.v = new_k, new_v
-        else:
-            self.k = mx.concatenate([self.k, new_k], axis=1)
-            self.v = mx.concatenate([self.v, new_v], axis=1)
-        for slot in range(self.capacity, self.capacity + grow):
-            heapq.heappush(self._free, slot)
-        self.capacity += grow
-
-    def alloc(self, n_pages: int) -> list[int]:
-        if n_pages > len(self._free):
-            raise RuntimeError("PagePool.alloc without reserve")  # internal invariant
-        return [heapq.heappop(self._free) for _ in range(n_pages)]
-
-    def release(self, slots: list[int]) -> None:
-        for slot in slots:
-            heapq.heappush(self._free, slot)
+__all__ = ["PROFILE_ENV", "PagedKV", "PagePool"]
 
 
 class PagedKV:
@@ -111,13 +55,15 @@ class PagedKV:
         mode: str = "on",
         pool: PagePool | None = None,
         always_select: bool = False,
+        pool_pages: int | Callable[[int], int | None] | None = None,
     ):
         if mode not in ("on", "auto"):
             raise InvalidOptionError(f"PagedKV mode {mode!r}: must be 'on' or 'auto'")
         self.page_tokens = page_tokens
-        self.pool = pool or PagePool(page_tokens)
+        self.pool = pool or PagePool(page_tokens, pool_pages)
         if self.pool.page_tokens != page_tokens:
             raise InvalidOptionError("the pool's page_tokens differ from the store's")
+        self.table = PageTable(self.pool)
         P = page_tokens
         self.budget_pages = -(-topk // P)  # token budget rounded up to whole pages
         self.sink_pages = -(-sinks // P)
@@ -142,23 +88,22 @@ class PagedKV:
         )
 
     def _reset(self) -> None:
-        if getattr(self, "table", None):
-            self.pool.release(self.table)
-        self.table: list[int] = []
-        self.identity = True  # table[i] == i for all i: contiguous slices instead of gathers
+        self.table.clear()
         self.length = 0
         self.kmin: mx.array | None = None  # [Hkv, meta_capacity, D] fp32, by logical page
         self.kmax: mx.array | None = None
         self.open_min: mx.array | None = None  # [Hkv, D] fp32 running min of the open page
         self.open_max: mx.array | None = None
 
+    @property
+    def identity(self) -> bool:
+        """table[i] == i for every page: contiguous slices of the pool instead of gathers."""
+        return self.table.identity
+
     # ----- writing --------------------------------------------------------------------------
     def _rows(self, start: int, end: int) -> mx.array:
         """Pool row index of each token position in [start, end) through the page table."""
-        P = self.page_tokens
-        pos = mx.arange(start, end)
-        table = mx.array(self.table, dtype=mx.int32)
-        return table[pos // P] * P + pos % P
+        return self.table.rows(start, end)
 
     def _grow_meta(self, n_pages: int, hkv: int, d: int) -> None:
         cap = 0 if self.kmin is None else self.kmin.shape[1]
@@ -179,22 +124,47 @@ class PagedKV:
         self.kmin[:, first : first + n] = mins
         self.kmax[:, first : first + n] = maxs
 
+    def _pool_full(self, err: PoolFullError) -> Exception:
+        P = self.page_tokens
+        return AdmissionError(
+            f"KV page pool full: {self.pool.capacity} pages of {P} tokens "
+            f"({self.pool.capacity * P:,} tokens) hold this layer, and a {self.length:,}-token "
+            f"sequence needs more with nothing evictable ({err}); raise kv_pool_tokens or "
+            "shorten the context"
+        )
+
     def append(self, kr: mx.array, vr: mx.array, meta: bool = True) -> None:
         """Write rows kr/vr [Hkv, T, D] at the end; seal the pages they fill.
 
         Metadata comes from the rows being written (plus the open page's running min/max),
-        never from re-reading the pool.
+        never from re-reading the pool. A write needing more pages than the pool can give at
+        once goes in pieces: each piece's sealed pages can be evicted for the next.
         """
+        P = self.page_tokens
+        T = kr.shape[1]
+        self.pool.bind(kr, vr)
+        done = 0
+        while done < T:
+            start = self.length
+            room = self.pool.room()
+            n = T - done
+            need = -(-(start + n) // P) - len(self.table)
+            if need > room:
+                # As many whole pages as fit (the open page's rest counts first).
+                n = max(room * P + (len(self.table) * P - start), 1)
+            self._write(kr[:, done : done + n], vr[:, done : done + n], meta)
+            done += n
+
+    def _write(self, kr: mx.array, vr: mx.array, meta: bool) -> None:
         P = self.page_tokens
         start, end = self.length, self.length + kr.shape[1]
         need = -(-end // P) - len(self.table)
         if need > 0:
-            self.pool.reserve(need, kr, vr)
-            slots = self.pool.alloc(need)
-            base = len(self.table)
-            self.identity = self.identity and slots == list(range(base, base + need))
-            self.table.extend(slots)
-        if self.identity:
+            try:
+                self.table.extend(need, kr, vr)
+            except PoolFullError as e:
+                raise self._pool_full(e) from None
+        if self.table.identity:
             self.pool.k[:, start:end] = kr
             self.pool.v[:, start:end] = vr
         else:
@@ -204,6 +174,7 @@ class PagedKV:
         self.length = end
         if meta:
             self._update_meta(kr, start)
+        self.table.seal_through(end // P)
 
     def _update_meta(self, kr: mx.array, start: int) -> None:
         P = self.page_tokens
@@ -228,15 +199,24 @@ class PagedKV:
             part = kf[:, t:]
             self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)
 
-    # ----- attention ------------------------------------------------------------------------
+    # ----- reading --------------------------------------------------------------------------
     def _dense_kv(self) -> tuple[mx.array, mx.array]:
         """Every stored row as [1, Hkv, L, D] (a strided view of the pool when identity)."""
-        if self.identity:
-            keys, values = self.pool.k[:, : self.length], self.pool.v[:, : self.length]
-        else:
-            rows = self._rows(0, self.length)
-            keys, values = self.pool.k[:, rows], self.pool.v[:, rows]
+        keys, values = self._span(0, self.length)
         return keys[None], values[None]
+
+    def _span(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Rows [start, end) as [Hkv, n, D], whose pages are all resident."""
+        if self.table.identity:
+            return self.pool.k[:, start:end], self.pool.v[:, start:end]
+        rows = self._rows(start, end)
+        return self.pool.k[:, rows], self.pool.v[:, rows]
+
+    def _past_blocks(self, past: int, block: int):
+        """K/V of rows [0, past) in page-aligned blocks [1, Hkv, B, D]."""
+        for a, b in spans(past, block):
+            kb, vb = self._span(a, b)
+            yield kb[None], vb[None]
 
     def selection_size(self) -> tuple[int, int]:
         """(pages in the context, pages a decode step would select)."""
@@ -257,7 +237,6 @@ class PagedKV:
                 return self._attend_selected(q, scale, n_pages, n_sel)
             self.stats["pages_selected"] += n_pages * k.shape[1]
             self.stats["kv_read_bytes"] += self.length * (k[0, :, 0].nbytes + v[0, :, 0].nbytes)
-        if T == 1:
             keys, values = self._dense_kv()
             return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
         past = self.length - T
@@ -265,16 +244,6 @@ class PagedKV:
         return attend_past(
             q, past, lambda: self._past_blocks(past, block), k, v, scale, self._dense_kv, block
         )
-
-    def _past_blocks(self, past: int, block: int):
-        """K/V of rows [0, past) in page-aligned blocks [1, Hkv, B, D]."""
-        for a, b in spans(past, block):
-            if self.identity:
-                kb, vb = self.pool.k[:, a:b], self.pool.v[:, a:b]
-            else:
-                rows = self._rows(a, b)
-                kb, vb = self.pool.k[:, rows], self.pool.v[:, rows]
-            yield kb[None], vb[None]
 
     def select(self, q: mx.array, n_sel: int) -> mx.array:
         """Selected logical pages per KV head, int32 [Hkv, n_sel] ascending. q: [Hq, D]."""
@@ -294,7 +263,7 @@ class PagedKV:
         if self.profile:
             mx.eval(pages)
             t1 = time.perf_counter()
-        slots = pages if self.identity else mx.array(self.table, dtype=mx.int32)[pages]
+        slots = pages if self.table.identity else self.table.array()[pages]
         # The last (open) page is selected and sorts last: drop its unwritten tail.
         n_rows = n_sel * P - (n_pages * P - self.length)
         rows = (slots[:, :, None] * P + mx.arange(P, dtype=mx.int32)).reshape(hkv, -1)[:, :n_rows]
@@ -316,11 +285,12 @@ class PagedKV:
     # ----- LayerState -----------------------------------------------------------------------
     def nbytes(self) -> int:
         meta = 0 if self.kmin is None else 2 * len(self.table) * self.kmin[:, 0].nbytes
-        return len(self.table) * self.pool.page_bytes() + meta
+        resident = len(self.table) - self.table.n_spilled
+        return resident * self.pool.page_bytes() + meta
 
     def kv_stats(self) -> dict:
         return {
-            "pages_resident": len(self.table),
+            "pages_resident": len(self.table) - self.table.n_spilled,
             "pool_pages": self.pool.capacity,
             "pool_bytes": self.pool.nbytes(),
             **self.stats,
@@ -336,7 +306,7 @@ class PagedKV:
             # Slices and gathers are copies in MLX semantics: later writes do not reach them.
             "keys": mx.array(keys[0]),  # [Hkv, length, D]
             "values": mx.array(values[0]),
-            "page_table": mx.array(self.table, dtype=mx.int32),
+            "page_table": mx.array(self.table.slots, dtype=mx.int32),
             "page_tokens": mx.array(self.page_tokens, dtype=mx.int32),
             "quest_min": mx.array(self.kmin[:, :n_sealed]),
             "quest_max": mx.array(self.kmax[:, :n_sealed]),
@@ -369,18 +339,11 @@ class PagedKV:
             return
         P = self.page_tokens
         keep = -(-length // P)
-        self.pool.release(self.table[keep:])
-        del self.table[keep:]
+        self.table.truncate(keep, length // P)
         self.length = length
-        self.identity = self.table == list(range(len(self.table)))
         self.open_min = self.open_max = None
         if length % P:
             # Rewind is rare and the page is partial: its running min/max is rebuilt from its
             # live rows (the only time the pool is re-read).
-            first = (keep - 1) * P
-            if self.identity:
-                part = self.pool.k[:, first:length]
-            else:
-                part = self.pool.k[:, self._rows(first, length)]
-            part = part.astype(mx.float32)
+            part = self._span((keep - 1) * P, length)[0].astype(mx.float32)
             self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)

@@ -1,0 +1,141 @@
+"""Page table of one layer's store: logical page -> pool slot, or SPILLED (in the spill file).
+
+The residency bookkeeping lives here, apart from the attention math (paged.py): which pages
+are sealed, which slot holds each resident page, and, with a spill tier, moving sealed
+pages out of the pool on eviction and back in on a miss. The pool asks the table to
+`evict(page, slot)`; the table writes the page out first if the spill file does not hold
+it yet, and says no when it cannot (no spill tier, or the tier failed).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from .pool import PagePool
+
+SPILLED = -1
+
+
+class SpillTier(Protocol):
+    """What a table needs from the spill tier (kv/spill.py SpillRegion)."""
+
+    def dirty(self, page: int) -> None: ...
+
+    def forget(self, first_page: int) -> None: ...
+
+    def ensure_written(self, page: int, k: np.ndarray, v: np.ndarray) -> bool: ...
+
+    def is_clean(self, page: int) -> bool: ...
+
+
+class PageTable:
+    """Logical pages of one store mapped to slots of its pool (or SPILLED)."""
+
+    def __init__(self, pool: PagePool, spill: SpillTier | None = None):
+        self.pool = pool
+        self.spill = spill
+        self.slots: list[int] = []  # logical page -> slot, or SPILLED
+        self.n_sealed = 0  # pages [0, n_sealed) are full and sealed
+        self.n_spilled = 0
+        self._identity = True
+        self._array: mx.array | None = None
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def _changed(self) -> None:
+        self._array = None
+        self._identity = self.slots == list(range(len(self.slots)))
+        self.n_spilled = self.slots.count(SPILLED)
+
+    @property
+    def identity(self) -> bool:
+        """Every page resident with table[i] == i: rows are plain slices of the pool."""
+        return self._identity
+
+    def array(self) -> mx.array:
+        """The table as int32 (cached until it changes); SPILLED entries are -1."""
+        if self._array is None:
+            self._array = mx.array(self.slots, dtype=mx.int32)
+        return self._array
+
+    def rows(self, start: int, end: int) -> mx.array:
+        """Pool row of each position in [start, end) (all of whose pages are resident)."""
+        P = self.pool.page_tokens
+        pos = mx.arange(start, end)
+        return self.array()[pos // P] * P + pos % P
+
+    def resident_slots(self) -> list[int]:
+        return [s for s in self.slots if s != SPILLED]
+
+    # ----- growth and sealing --------------------------------------------------------------
+    def extend(self, n_pages: int, like_k: mx.array, like_v: mx.array) -> None:
+        """Give n_pages new (open) pages slots; may evict other sealed pages."""
+        self.slots.extend(self.pool.alloc(n_pages, like_k, like_v))
+        self._changed()
+
+    def seal_through(self, n_sealed: int) -> None:
+        """Pages [self.n_sealed, n_sealed) are full: evictable, and dirty for the spill."""
+        for page in range(self.n_sealed, n_sealed):
+            self.pool.seal(self.slots[page], self, page)
+            if self.spill is not None:
+                self.spill.dirty(page)
+        self.n_sealed = max(self.n_sealed, n_sealed)
+
+    # ----- eviction (called by the pool) ---------------------------------------------------
+    def page_rows(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of the page in `slot` as host arrays [Hkv, page_tokens, D]."""
+        P = self.pool.page_tokens
+        k = self.pool.k[:, slot * P : (slot + 1) * P]
+        v = self.pool.v[:, slot * P : (slot + 1) * P]
+        return to_host(k), to_host(v)
+
+    def evict(self, page: int, slot: int) -> bool:
+        if self.spill is None or page >= len(self.slots) or self.slots[page] != slot:
+            return False
+        if not self.spill.is_clean(page):
+            k, v = self.page_rows(slot)
+            if not self.spill.ensure_written(page, k, v):
+                return False
+        self.slots[page] = SPILLED
+        self._changed()
+        return True
+
+    # ----- truncation ----------------------------------------------------------------------
+    def truncate(self, n_pages: int, n_sealed: int) -> list[int]:
+        """Keep pages [0, n_pages), of which [0, n_sealed) stay sealed. Returns the logical
+        pages that must be brought back (a spilled page that becomes open again)."""
+        gone = [s for s in self.slots[n_pages:] if s != SPILLED]
+        self.pool.release(gone)
+        del self.slots[n_pages:]
+        for page in range(n_sealed, min(self.n_sealed, n_pages)):
+            if self.slots[page] != SPILLED:
+                self.pool.unseal(self.slots[page])
+        self.n_sealed = min(self.n_sealed, n_sealed)
+        if self.spill is not None:
+            self.spill.forget(self.n_sealed)  # its copies past the sealed run are stale
+        self._changed()
+        return [p for p in range(n_sealed, n_pages) if self.slots[p] == SPILLED]
+
+    def clear(self) -> None:
+        self.pool.release(self.resident_slots())
+        self.slots = []
+        self.n_sealed = 0
+        if self.spill is not None:
+            self.spill.forget(0)
+        self._changed()
+
+
+def to_host(a: mx.array) -> np.ndarray:
+    """An mx array as numpy (bf16 carried as its uint16 bits: numpy has no bf16)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a)
+
+
+def from_host(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    out = mx.array(a)
+    return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
