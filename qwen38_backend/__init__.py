@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .blas import use_system_openblas
+
 __version__ = "0.1.0"
+
+use_system_openblas()  # before anything imports MLX (see blas.py)
 
 if TYPE_CHECKING:
     from .engine import Model
