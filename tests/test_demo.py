@@ -35,3 +35,14 @@ def test_longer_generation_is_english(demo_model):
     # no degenerate repetition: most 4-word windows are distinct
     grams = [" ".join(words[i : i + 4]).lower() for i in range(len(words) - 3)]
     assert len(set(grams)) / len(grams) > 0.7
+
+
+def test_demo_default_max_tokens_is_bounded(demo_model):
+    """Issue 19: the demo's repetition loops ran for 10+ minutes at the old default of 4096."""
+    from qwen38_backend.loader import DEMO_MAX_TOKENS
+
+    session = demo_model.session(cache=False)
+    request = session.request("Tell me about caches.")
+    assert request.params.max_tokens == DEMO_MAX_TOKENS == 512
+    # an explicit max_tokens wins; the window still bounds it
+    assert session.request("hi", max_tokens=900).params.max_tokens == 900

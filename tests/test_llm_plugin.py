@@ -1,6 +1,6 @@
 """The llm plugin end to end: the real `llm` CLI in subprocesses, a temp LLM_USER_PATH, the engine.
 
-Tiny random checkpoints (with the tiny tokenizer) cover the mechanics; the demo model
+Tiny random weights (with the tiny tokenizer) cover the mechanics; the demo model
 (SmolLM2-135M GGUF, marker `demo`) covers a real answer.
 """
 
@@ -77,7 +77,7 @@ def cli(tmp_path, monkeypatch) -> LLM:
 
 @pytest.fixture
 def tiny(cli, tmp_path) -> str:
-    """A tiny qwen3 checkpoint registered as `tiny`."""
+    """Tiny qwen3 weights registered as `tiny`."""
     path = dense_fixture("qwen3", tmp_path / "models")
     cli("qwen38", "add", str(path), "--name", "tiny")
     return "tiny"
@@ -395,3 +395,15 @@ def test_cached_short_prompt_then_longer_one(cli, tiny):
     first = cli("-m", tiny, long_prompt, "-o", "max_tokens", "4")
     cold = cli("-m", tiny, long_prompt, "-o", "max_tokens", "4", "-o", "cache", "false")
     assert first.stdout == cold.stdout
+
+
+def test_schema_cut_by_max_tokens_is_an_error(cli, tiny):
+    """Issue 19: a schema answer cut by max_tokens printed invalid JSON with exit 0."""
+    out = cli(
+        "-m", "tiny", "--schema-multi", "name, bio", "people please", "-o", "max_tokens", "3",
+        check=False,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "cut at max_tokens" in out.stderr and "finish_reason: length" in out.stderr
+    with pytest.raises(ValueError):
+        json.loads(out.stdout)  # what was printed is indeed not JSON: the error was right

@@ -44,6 +44,14 @@ def demo_path() -> Path:
     return paths.cache_dir() / "demo" / Path(GGUF_MEMBER).name
 
 
+def is_demo_file(path: Path) -> bool:
+    """The demo's GGUF wherever it lies (its file name and exact size)."""
+    try:
+        return path.name == Path(GGUF_MEMBER).name and path.stat().st_size == GGUF_SIZE
+    except OSError:
+        return False
+
+
 def is_cached(path: Path | None = None) -> bool:
     """Whether the demo GGUF is in place (size check; it was verified when written)."""
     p = demo_path() if path is None else path
