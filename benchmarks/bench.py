@@ -78,16 +78,16 @@ def bench_ours(model, length: int, decode: int, runs: int) -> dict:
 
 
 def export_for_mlx_lm(model, directory: Path) -> Path:
-    """Write the checkpoint in the MLX/HF layout mlx-lm reads, with the same numerics as ours:
+    """Write the weights in the MLX/HF layout mlx-lm reads, with the same numerics as ours:
     dequantized fp32 when our model runs dequantized (CPU), else as stored."""
     import json
 
-    from qwen38_backend.loading import read_checkpoint
-    from qwen38_backend.models.load import dequantize_all
+    from qwen38_backend.loading import read_weights
+    from qwen38_backend.models.assign import dequantize_all
 
-    # the loaded model consumed its checkpoint's tensors: read them again (lazily)
-    ckpt = read_checkpoint(model.checkpoint.source, tokenizer=False)
-    weights, quantization = ckpt.weights, ckpt.quantization
+    # the loaded model consumed its weights' tensors: read them again (lazily)
+    read = read_weights(model.weights.source, tokenizer=False)
+    weights, quantization = read.tensors, read.quantization
     packed = any("Quantized" in type(m).__name__ for _, m in model.net.named_modules())
     if quantization and not packed:
         weights, quantization = dequantize_all(weights, quantization, model.dtype), {}
@@ -96,7 +96,7 @@ def export_for_mlx_lm(model, directory: Path) -> Path:
         for k, v in weights.items()
     }
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
-    config = dict(ckpt.config)
+    config = dict(read.config)
     if quantization:
         gs = {g for g, _ in quantization.values()}
         quant: dict = {"group_size": gs.pop(), "bits": 4}

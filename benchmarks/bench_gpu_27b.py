@@ -4,7 +4,7 @@
         --runs 3 --out bench_gpu_27b.json
 
 Weights are drawn on the device per tensor name (same seed, same weights in every process),
-so no 54 GB checkpoint has to be written or shipped. Each engine runs in its own subprocess.
+so no 54 GB of weights has to be written or shipped. Each engine runs in its own subprocess.
 Reports prefill and decode tokens/s (medians), bytes a decoded token reads (weights + KV at
 that depth + Gated DeltaNet state), achieved bandwidth and its fraction of the bound.
 `--dims tiny --layers 4` smoke-tests the script on a CPU.
@@ -89,7 +89,7 @@ def worker_ours(args) -> dict:
     from mlx.utils import tree_unflatten
 
     from qwen38_backend.engine import Model
-    from qwen38_backend.loading import Checkpoint
+    from qwen38_backend.loading import Weights
     from qwen38_backend.models import build_model
     from qwen38_backend.models.layers import fuse_projections
     from qwen38_backend.sampling import SamplingParams
@@ -106,10 +106,10 @@ def worker_ours(args) -> dict:
     net.update(tree_unflatten(list(weights.items())))
     del weights
     fuse_projections(net)
-    ckpt = Checkpoint(
-        config=config, weights={}, quantization={}, generation_config={"eos_token_id": []}
+    read = Weights(
+        config=config, tensors={}, quantization={}, generation_config={"eos_token_id": []}
     )
-    model = Model(net, ckpt, dtype, name="27b-random")
+    model = Model(net, read, dtype, name="27b-random")
     result = {"weights_bytes": nbytes, "lengths": {}}
     # warm-up: the first prefill compiles kernels (it ran at ~200 tok/s on the H200)
     warm = model.new_state()

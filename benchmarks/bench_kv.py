@@ -213,7 +213,7 @@ def bench_main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
 
-    from qwen38_backend.models.load import parse_dtype
+    from qwen38_backend.models.assign import parse_dtype
 
     if args.random:
         dtype = parse_dtype(args.dtype or "float32", {})

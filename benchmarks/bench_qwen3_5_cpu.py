@@ -1,4 +1,4 @@
-"""qwen3_5 on CPU: ours vs mlx-lm 0.32.2's qwen3_5, on the SAME checkpoint directory.
+"""qwen3_5 on CPU: ours vs mlx-lm 0.32.2's qwen3_5, on the SAME weights directory.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
     python benchmarks/bench_qwen3_5_cpu.py --out bench_qwen3_5_cpu.json
@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--real-runs", type=int, default=2)
     p.add_argument("--real-decode", type=int, default=8, help="decode tokens (real shape)")
-    p.add_argument("--real-dir", default=None, help="existing 27B-shape checkpoint to reuse")
+    p.add_argument("--real-dir", default=None, help="existing 27B-shape weights to reuse")
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--out", default=None)
@@ -115,19 +115,19 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from common import environment, write_json
 
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
     engines = ["ours"] + ([] if args.skip_mlx_lm else ["mlx-lm"])
     result: dict = {"environment": environment(), "compute_dtype": "float32", "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = make_tiny_checkpoint("qwen3_5", Path(tmp) / "tiny", seed=0)
+        tiny = make_tiny_weights("qwen3_5", Path(tmp) / "tiny", seed=0)
         tiny_lengths = [int(x) for x in args.tiny_lengths.split(",")]
         todo = [("tiny", tiny, tiny_lengths, args.runs, args.decode)]
         if not args.skip_real:
             real = Path(args.real_dir) if args.real_dir else None
             if real is None or not (real / "model.safetensors").exists():
                 real = real or Path(tmp) / "real"
-                make_tiny_checkpoint(
+                make_tiny_weights(
                     "qwen3_5",
                     real,
                     seed=0,

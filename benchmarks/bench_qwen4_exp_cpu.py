@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--flash-runs", type=int, default=1)
-    p.add_argument("--flash-dir", default=None, help="existing real-shape checkpoint to reuse")
+    p.add_argument("--flash-dir", default=None, help="existing real-shape weights to reuse")
     p.add_argument("--skip-flash", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", help=argparse.SUPPRESS)

@@ -18,7 +18,7 @@ def load(path_or_name: str, dtype: str | None = None, keep_quantized: bool | Non
     """Load a model by registry name (e.g. 'qwen38-demo') or path (HF directory or .gguf).
 
     dtype: compute dtype ('float32', 'bfloat16', 'float16'); default fp32 on CPU, the
-    checkpoint's own float dtype on GPU.
+    weights' own float dtype on GPU.
     keep_quantized: keep 4/8-bit weights packed (default: yes on GPU; on CPU they are
     dequantized when that fits in a quarter of RAM, since MLX's x86 quantized matmul is slow).
     """

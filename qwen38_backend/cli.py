@@ -157,9 +157,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_add(args: argparse.Namespace) -> int:
     from .loading.registry import add_weights
 
-    name, target, ckpt = add_weights(args.path, args.name, make_default=args.default)
-    arch = ckpt.config.get("model_type", "?")
-    print(f"added {name} -> {target} ({arch}, {ckpt.format})")
+    name, target, weights = add_weights(args.path, args.name, make_default=args.default)
+    arch = weights.config.get("model_type", "?")
+    print(f"added {name} -> {target} ({arch}, {weights.format})")
     if args.default:
         print(f"{name} is now the default model (`qwen38`, `llm -m qwen38`)")
     return 0
@@ -189,9 +189,9 @@ def cmd_fetch_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from .testing import make_tiny_checkpoint
+    from .testing import make_tiny_weights
 
-    print(make_tiny_checkpoint(args.arch, Path(args.directory), seed=args.seed))
+    print(make_tiny_weights(args.arch, Path(args.directory), seed=args.seed))
     return 0
 
 
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-demo", help="download and verify the demo model")
     p.set_defaults(func=cmd_fetch_demo)
 
-    p = sub.add_parser("make-tiny", help="write a random tiny checkpoint for tests")
+    p = sub.add_parser("make-tiny", help="write random tiny weights for tests")
     p.add_argument("arch", choices=["qwen3_5", "qwen4_exp", "llama", "qwen2", "qwen3"])
     p.add_argument("directory")
     p.add_argument("--seed", type=int, default=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,14 @@ class Model:
         self.generation_config = dict(weights.generation_config or {})
         self.name = name or Path(weights.source).name
         self.eos_token_ids = self._eos_ids()
+
+    @property
+    def checkpoint(self):
+        """Deprecated name of `weights` (the `Weights` read from disk)."""
+        warnings.warn(
+            "Model.checkpoint is deprecated; use Model.weights", DeprecationWarning, stacklevel=2
+        )
+        return self.weights
 
     def _eos_ids(self) -> list[int]:
         ids = self.generation_config.get("eos_token_id")

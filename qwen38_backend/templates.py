@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (the chat template keeps its prompt lines whole)
-"""A Qwen3-style chat template and a tiny byte-level BPE tokenizer for tests and tiny checkpoints.
+"""A Qwen3-style chat template and a tiny byte-level BPE tokenizer for tests and tiny weights.
 
 `QWEN3_CHAT_TEMPLATE` follows the conventions of Qwen's published Qwen3 / Qwen3.5 templates:
 ChatML turns, tools listed as JSON inside `<tools>` in the system turn, tool calls as XML
@@ -8,7 +8,7 @@ tool results as `<tool_response>` blocks in a user turn, reasoning in `<think>` 
 only for assistant turns after the last real user query), and `enable_thinking` (default
 true: the generation prompt opens `<think>\\n`; false: an empty think block is pre-filled).
 
-Real checkpoints always use their own template; this one exists so tiny test models behave
+Real weights always come with their own template; this one exists so tiny test models behave
 like the real family.
 """
 

@@ -1,4 +1,4 @@
-"""Regenerate tests/fixtures/dense: tiny random llama / qwen2 / qwen3 checkpoints saved with
+"""Regenerate tests/fixtures/dense: tiny random llama / qwen2 / qwen3 weights saved with
 transformers' save_pretrained, plus their fp32 logits on a fixed token sequence.
 
     python scripts/make_dense_fixtures.py

@@ -1,10 +1,10 @@
 """Regenerate tests/fixtures/qwen3_5: fp32 reference logits of transformers' Qwen3_5ForCausalLM
-on the tiny random qwen3_5 checkpoint (make_tiny_checkpoint("qwen3_5", seed=SEED)).
+on the tiny random qwen3_5 weights (make_tiny_weights("qwen3_5", seed=SEED)).
 
     python scripts/make_qwen3_5_fixtures.py
 
-Only the logits, the token ids and the checkpoint fingerprint are committed; the test
-regenerates the checkpoint from the seed and checks the fingerprint, so a drift in the
+Only the logits, the token ids and the weights' fingerprint are committed; the test
+regenerates the weights from the seed and checks the fingerprint, so a drift in the
 generator is caught. Needs torch==2.13.0 and transformers==5.23.0 (the `test` extra).
 """
 
@@ -20,7 +20,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from qwen38_backend.testing import make_tiny_checkpoint
+from qwen38_backend.testing import make_tiny_weights
 from qwen38_backend.testing.tiny_qwen3_5 import fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +34,13 @@ def tokens(n: int) -> list[int]:
     return [int((37 * i * i + 101 * i + 7) % 512) for i in range(n)]
 
 
-def hf_model(ckpt: Path) -> transformers.Qwen3_5ForCausalLM:
-    cfg_dict = json.loads((ckpt / "config.json").read_text())["text_config"]
+def hf_model(weights_dir: Path) -> transformers.Qwen3_5ForCausalLM:
+    cfg_dict = json.loads((weights_dir / "config.json").read_text())["text_config"]
     cfg = transformers.Qwen3_5TextConfig(**cfg_dict)
     model = transformers.Qwen3_5ForCausalLM(cfg).eval().to(torch.float32)
-    # the checkpoint stores the trunk under model.language_model.; the CausalLM under model.
+    # the weights store the trunk under model.language_model.; the CausalLM under model.
     state = {}
-    for name, arr in load_file(str(ckpt / "model.safetensors")).items():
+    for name, arr in load_file(str(weights_dir / "model.safetensors")).items():
         if name.startswith("mtp."):
             continue
         state[name.replace("model.language_model.", "model.", 1)] = torch.from_numpy(arr.copy())
@@ -54,11 +54,11 @@ def hf_model(ckpt: Path) -> transformers.Qwen3_5ForCausalLM:
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_tiny_checkpoint("qwen3_5", Path(tmp) / "ckpt", seed=SEED)
-        model = hf_model(ckpt)
+        weights_dir = make_tiny_weights("qwen3_5", Path(tmp) / "weights", seed=SEED)
+        model = hf_model(weights_dir)
         meta = {
             "seed": SEED,
-            "fingerprint": fingerprint(ckpt),
+            "fingerprint": fingerprint(weights_dir),
             "transformers": transformers.__version__,
             "torch": torch.__version__,
             "tokens": {},

@@ -1,11 +1,11 @@
 """Regenerate tests/fixtures/qwen4_exp: fp32 reference logits and QSA selections from
-transformers' Qwen4ExpForCausalLM on the tiny random checkpoint of
+transformers' Qwen4ExpForCausalLM on the tiny random weights of
 `qwen38_backend.testing.tiny_qwen4_exp.write_tiny_qwen4_exp(seed=SEED)`.
 
     python scripts/make_qwen4_exp_fixtures.py
 
 Only small arrays are committed (logits, tokens, selections) plus a sha256 fingerprint of the
-generated checkpoint: tests regenerate the checkpoint from the seed and check the fingerprint.
+generated weights: tests regenerate the weights from the seed and check the fingerprint.
 Needs torch==2.13.0 and transformers==5.23.0 (the project's `test` extra).
 """
 
@@ -83,9 +83,9 @@ def hf_model(directory: Path) -> hf.Qwen4ExpForCausalLM:
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_tiny_qwen4_exp(Path(tmp) / "ckpt", seed=SEED)
-        model = hf_model(ckpt)
-        fp = fingerprint(ckpt)
+        weights_dir = write_tiny_qwen4_exp(Path(tmp) / "weights", seed=SEED)
+        model = hf_model(weights_dir)
+        fp = fingerprint(weights_dir)
 
     captured: dict[int, np.ndarray] = {}
 

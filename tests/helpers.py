@@ -1,4 +1,4 @@
-"""Test helpers: tiny dense checkpoints with a tokenizer, ready to load."""
+"""Test helpers: tiny dense weights with a tokenizer, ready to load."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DENSE_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def dense_fixture(arch: str, target: Path) -> Path:
-    """Copy a committed tiny dense checkpoint into target and give it the tiny tokenizer."""
+    """Copy committed tiny dense weights into target and give it the tiny tokenizer."""
     from qwen38_backend.templates import write_tiny_tokenizer
 
     src = FIXTURES / "dense" / arch

@@ -73,9 +73,9 @@ def test_plan_matches_what_a_dense_model_allocates(dense):
 
 
 def test_plan_matches_recurrent_state_of_tiny_qwen3_5(tmp_path):
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
-    model = qwen38_backend.load(str(make_tiny_checkpoint("qwen3_5", tmp_path, seed=0)))
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path, seed=0)))
     state = model.new_state()
     model.prefill(list(range(10, 50)), state)
     recurrent = sum(layer.nbytes() for layer in state.layers if not layer.can_truncate)

@@ -16,11 +16,9 @@ from qwen38_backend.kv.blocked import blocked_attention, spans
 
 
 def tiny_weights(arch: str, directory, seed: int = 0):
-    # make_tiny_checkpoint is being renamed make_tiny_weights: accept either.
-    from qwen38_backend import testing
+    from qwen38_backend.testing import make_tiny_weights
 
-    make = getattr(testing, "make_tiny_weights", None) or testing.make_tiny_checkpoint
-    return make(arch, directory, seed=seed)
+    return make_tiny_weights(arch, directory, seed=seed)
 
 
 def rand(rng, *shape, scale=1.0):

@@ -65,9 +65,9 @@ def dense_model(dense_dir):
 
 
 def _tiny_dir(tmp_path_factory, arch: str) -> Path:
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
-    return make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch), seed=0)
+    return make_tiny_weights(arch, tmp_path_factory.mktemp(arch), seed=0)
 
 
 @pytest.fixture(scope="module")

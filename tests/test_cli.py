@@ -1,4 +1,4 @@
-"""The `qwen38` command: real runs on tiny checkpoints, and one-line errors on bad input."""
+"""The `qwen38` command: real runs on tiny weights, and one-line errors on bad input."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_add_then_run_by_name(tmp_path, isolated_home):
     assert run.returncode == 0, run.stderr
 
 
-def test_make_tiny_writes_a_loadable_checkpoint(tmp_path, isolated_home):
+def test_make_tiny_writes_loadable_weights(tmp_path, isolated_home):
     out = qwen38("make-tiny", "qwen3_5", str(tmp_path / "t"), "--seed", "3", env_home=isolated_home)
     assert out.returncode == 0, out.stderr
     run = qwen38("run", str(tmp_path / "t"), "hi", "--max-tokens", "3", env_home=isolated_home)

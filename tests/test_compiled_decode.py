@@ -35,9 +35,9 @@ def decode_logits(net, ids: list[int], steps: int, factory=ContiguousKV) -> np.n
 
 def tiny_qwen3_5(tmp_path):
     import qwen38_backend
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
-    path = make_tiny_checkpoint("qwen3_5", tmp_path / "q", seed=5)
+    path = make_tiny_weights("qwen3_5", tmp_path / "q", seed=5)
     return qwen38_backend.load(str(path), dtype="float32").net
 
 

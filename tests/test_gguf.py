@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from qwen38_backend.errors import UnsupportedArchitectureError, WeightsError  # noqa: E402
-from qwen38_backend.loading import read_checkpoint  # noqa: E402
+from qwen38_backend.loading import read_weights  # noqa: E402
 from qwen38_backend.loading.gguf import hf_name, unpermute_rows  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
@@ -118,9 +118,9 @@ def write_gguf(path: Path, arch: str, sd: dict[str, np.ndarray], qtype=QT.F32) -
 def dequant(ck, name: str) -> np.ndarray:
     module = name[: -len(".weight")]
     if module not in ck.quantization:
-        return np.array(ck.weights[name].astype(mx.float32))
+        return np.array(ck.tensors[name].astype(mx.float32))
     gs, bits = ck.quantization[module]
-    w = ck.weights
+    w = ck.tensors
     scales, biases = (w[module + s].astype(mx.float32) for s in (".scales", ".biases"))
     out = mx.dequantize(w[name], scales, biases, group_size=gs, bits=bits)
     return np.array(out.astype(mx.float32))
@@ -131,11 +131,11 @@ def test_f32_names_and_unpermute_exact(tmp_path: Path, arch: str) -> None:
     sd = make_hf(arch, tie=False)
     path = tmp_path / f"{arch}.gguf"
     write_gguf(path, arch, sd)
-    ck = read_checkpoint(path, tokenizer=False)
+    ck = read_weights(path, tokenizer=False)
     assert ck.format == "gguf" and ck.rope_interleaved is False and ck.source == path
-    assert set(ck.weights) == set(sd)
+    assert set(ck.tensors) == set(sd)
     for name, ref in sd.items():
-        got = np.array(ck.weights[name])
+        got = np.array(ck.tensors[name])
         assert got.shape == ref.shape, name
         np.testing.assert_array_equal(got, ref, err_msg=name)
     assert ck.quantization == {}
@@ -153,12 +153,12 @@ def test_quantized_llama_unpermuted_within_quant_error(tmp_path: Path, qtype, bi
     sd = make_hf("llama", tie=True)
     path = tmp_path / "q.gguf"
     write_gguf(path, "llama", sd, qtype)
-    ck = read_checkpoint(path, tokenizer=False)
-    assert ck.config["tie_word_embeddings"] is True and "lm_head.weight" not in ck.weights
+    ck = read_weights(path, tokenizer=False)
+    assert ck.config["tie_word_embeddings"] is True and "lm_head.weight" not in ck.tensors
     linears = {n[: -len(".weight")] for n, a in sd.items() if a.ndim == 2}
     assert set(ck.quantization) == linears
     assert set(ck.quantization.values()) == {(32, bits)}
-    assert ck.weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
+    assert ck.tensors["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
     for name, ref in sd.items():
         got = dequant(ck, name)
         assert got.shape == ref.shape, name
@@ -200,19 +200,19 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     write_gguf(path, "gemma", sd)
     with pytest.raises(UnsupportedArchitectureError, match="gemma"):
-        read_checkpoint(path, tokenizer=False)
+        read_weights(path, tokenizer=False)
 
 
 def test_garbage_gguf(tmp_path: Path) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + b"\x00\xff" * 50)
     with pytest.raises(WeightsError, match="bad.gguf"):
-        read_checkpoint(path, tokenizer=False)
+        read_weights(path, tokenizer=False)
 
 
 @pytest.mark.demo
 def test_demo_gguf_layout(demo_gguf: Path) -> None:
-    ck = read_checkpoint(demo_gguf)
+    ck = read_weights(demo_gguf)
     assert ck.tokenizer.encode("Hello world") == [19556, 905]
     c = ck.config
     assert (c["model_type"], c["num_hidden_layers"], c["hidden_size"]) == ("llama", 30, 576)
@@ -233,7 +233,7 @@ def test_demo_gguf_unpermute_matches_independent_dequant(demo_gguf: Path) -> Non
     proc = LlamaTensorProcessor(config={})
     reader = gguf.GGUFReader(str(DEMO))
     raw = {t.name: t for t in reader.tensors if t.name.startswith("blk.0.attn_")}
-    ck = read_checkpoint(DEMO, tokenizer=False)
+    ck = read_weights(DEMO, tokenizer=False)
     for gname, heads in (("attn_q", 9), ("attn_k", 3), ("attn_v", 3)):
         t = raw[f"blk.0.{gname}.weight"]
         deq = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -250,4 +250,4 @@ def test_truncated_gguf(tmp_path: Path) -> None:
     for cut in (len(data) - 10, 200, 30):
         path.write_bytes(data[:cut])
         with pytest.raises(WeightsError, match="truncated"):
-            read_checkpoint(path, tokenizer=False)
+            read_weights(path, tokenizer=False)

@@ -29,7 +29,7 @@ def cli(tmp_path, monkeypatch) -> LLM:
 
 @pytest.fixture
 def long_tiny(cli, tmp_path) -> str:
-    """The tiny qwen3 checkpoint with a window long enough to decode for many seconds."""
+    """The tiny qwen3 weights with a window long enough to decode for many seconds."""
     path = dense_fixture("qwen3", tmp_path / "models")
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = 32768

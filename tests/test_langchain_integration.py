@@ -1,6 +1,6 @@
 """langchain-tests' standard integration suite against the real engine.
 
-`TestChatQwen38Tiny` runs a random-weight tiny qwen3 checkpoint with the Qwen3 chat template
+`TestChatQwen38Tiny` runs tiny random qwen3 weights with the Qwen3 chat template
 (tools, reasoning): plumbing, streaming, usage, async, batching, forced tool calls and
 constrained structured output are all exercised for real, in CI, in seconds. What needs a
 model that understands the prompt (choosing the right arguments, following instructions) is
@@ -38,7 +38,7 @@ _TINY_ROOT: Path | None = None
 
 
 def tiny_model(arch: str = "qwen3") -> str:
-    """Path of a tiny random checkpoint with the Qwen3 template, made once per process."""
+    """Path of tiny random weights with the Qwen3 template, made once per process."""
     global _TINY_ROOT
     if _TINY_ROOT is None:
         _TINY_ROOT = Path(tempfile.mkdtemp(prefix="qwen38-lc-"))

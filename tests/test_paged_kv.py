@@ -16,7 +16,7 @@ from qwen38_backend.errors import InvalidOptionError
 from qwen38_backend.kv import PagedKV, collect_kv_stats, make_kv_factory
 from qwen38_backend.kv.contiguous import ContiguousKV
 from qwen38_backend.models import build_model
-from qwen38_backend.models.load import load_into
+from qwen38_backend.models.assign import assign_weights
 from qwen38_backend.sampling import SamplingParams
 from tests.helpers import DENSE_ARCHS, dense_fixture
 
@@ -29,7 +29,7 @@ N_TOKENS = 200
 def load_dense_net(arch: str):
     d = FIXTURES / arch
     net = build_model(json.loads((d / "config.json").read_text()))
-    load_into(net, mx.load(str(d / "model.safetensors")), {}, mx.float32)
+    assign_weights(net, mx.load(str(d / "model.safetensors")), {}, mx.float32)
     return net
 
 
@@ -98,9 +98,9 @@ def test_full_selection_equals_dense_demo(demo_model):
 
 
 def test_full_selection_equals_dense_tiny_qwen3_5(tmp_path):
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
-    model = qwen38_backend.load(str(make_tiny_checkpoint("qwen3_5", tmp_path / "q", seed=3)))
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path / "q", seed=3)))
     model_streams_equal(model)
 
 

@@ -1,5 +1,5 @@
 """qwen3_5 (Qwen3.8-27B layout): logits vs transformers' Qwen3_5ForCausalLM on a tiny random
-checkpoint, the two Gated DeltaNet forms, state, config validation, sanitize, MTP."""
+weights, the two Gated DeltaNet forms, state, config validation, sanitize, MTP."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 from qwen38_backend.config import Qwen35Config
 from qwen38_backend.errors import ConfigError, UnsupportedArchitectureError
 from qwen38_backend.loader import load_model
-from qwen38_backend.loading import read_checkpoint
+from qwen38_backend.loading import read_weights
 from qwen38_backend.models import build_model
+from qwen38_backend.models.assign import assign_weights
 from qwen38_backend.models.gated_delta import chunked_gated_delta, prepare_qk, recurrent_gated_delta
 from qwen38_backend.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetState
-from qwen38_backend.models.load import load_into
 from qwen38_backend.state import RewindError
-from qwen38_backend.testing import make_tiny_checkpoint
+from qwen38_backend.testing import make_tiny_weights
 from qwen38_backend.testing.tiny_qwen3_5 import fingerprint, text_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "qwen3_5"
@@ -31,15 +31,13 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(
-        "qwen3_5", tmp_path_factory.mktemp("q35") / "tiny", seed=REF["seed"]
-    )
+def weights_dir(tmp_path_factory) -> Path:
+    return make_tiny_weights("qwen3_5", tmp_path_factory.mktemp("q35") / "tiny", seed=REF["seed"])
 
 
 @pytest.fixture(scope="module")
-def model(ckpt_dir):
-    return load_model(ckpt_dir)
+def model(weights_dir):
+    return load_model(weights_dir)
 
 
 def reference(n: int) -> tuple[list[int], np.ndarray]:
@@ -57,9 +55,9 @@ def run_in_chunks(model, ids: list[int], chunk: int) -> np.ndarray:
     return np.concatenate(outs, axis=0)
 
 
-def test_checkpoint_generator_is_deterministic(ckpt_dir):
-    # the fixtures were computed on a checkpoint with this fingerprint: drift breaks parity
-    assert fingerprint(ckpt_dir) == REF["fingerprint"]
+def test_weights_generator_is_deterministic(weights_dir):
+    # the fixtures were computed on weights with this fingerprint: drift breaks parity
+    assert fingerprint(weights_dir) == REF["fingerprint"]
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -286,10 +284,10 @@ def test_gated_deltanet_errors_are_typed():
 
 
 # ----- sanitize ------------------------------------------------------------------------------
-def _load_with(ckpt_dir, transform) -> object:
-    ckpt = read_checkpoint(ckpt_dir)
-    net = build_model(ckpt.config)
-    load_into(net, transform(dict(ckpt.weights)), {}, mx.float32)
+def _load_with(weights_dir, transform) -> object:
+    read = read_weights(weights_dir)
+    net = build_model(read.config)
+    assign_weights(net, transform(dict(read.tensors)), {}, mx.float32)
     return net
 
 
@@ -298,7 +296,7 @@ def _logits(net, ids):
     return np.array(out)
 
 
-def test_sanitize_prefix_variants(ckpt_dir):
+def test_sanitize_prefix_variants(weights_dir):
     ids, ref = reference(10)
 
     def plain_model_prefix(w):  # `model.X` (text-only export) instead of model.language_model.X
@@ -308,12 +306,12 @@ def test_sanitize_prefix_variants(ckpt_dir):
         return {**w, "model.visual.blocks.0.attn.qkv.weight": mx.zeros((3, 3))}
 
     for transform in (lambda w: w, plain_model_prefix, with_vision):
-        net = _load_with(ckpt_dir, transform)
+        net = _load_with(weights_dir, transform)
         assert np.abs(_logits(net, ids) - ref).max() <= TOL
         assert net.has_mtp
 
 
-def test_sanitize_mlx_lm_layout(ckpt_dir):
+def test_sanitize_mlx_lm_layout(weights_dir):
     """mlx-lm conversions: conv1d as [C, K, 1], +1 folded into zero-centred norms, no MTP."""
     ids, ref = reference(10)
     suffixes = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight")
@@ -331,12 +329,12 @@ def test_sanitize_mlx_lm_layout(ckpt_dir):
             out[k] = v
         return out
 
-    net = _load_with(ckpt_dir, mlx_lm)
+    net = _load_with(weights_dir, mlx_lm)
     assert not net.has_mtp
     assert np.abs(_logits(net, ids) - ref).max() <= TOL
 
 
-def test_missing_tensor_is_named(ckpt_dir):
+def test_missing_tensor_is_named(weights_dir):
     from qwen38_backend.errors import WeightsError
 
     def drop(w):
@@ -345,7 +343,7 @@ def test_missing_tensor_is_named(ckpt_dir):
         return w
 
     with pytest.raises(WeightsError, match="layers.0.linear_attn.A_log"):
-        _load_with(ckpt_dir, drop)
+        _load_with(weights_dir, drop)
 
 
 # ----- MTP -----------------------------------------------------------------------------------
@@ -458,7 +456,7 @@ def test_mtp_draft_matches_formula(model):
 @pytest.mark.slow
 def test_real_27b_shapes_load_and_decode(tmp_path):
     """4 layers (3 DeltaNet + 1 attention) at the real 27B widths, bf16 on disk, real vocab."""
-    d = make_tiny_checkpoint(
+    d = make_tiny_weights(
         "qwen3_5",
         tmp_path / "q27",
         seed=0,

@@ -1,6 +1,6 @@
 """qwen4_exp (Flash-Next): logits and QSA selections vs transformers' Qwen4ExpForCausalLM
 (fixtures from scripts/make_qwen4_exp_fixtures.py), MoE / PLE / QSA pieces vs numpy, config
-validation, state handling, the MTP formula, and a real-shape 4-layer checkpoint (slow)."""
+validation, state handling, the MTP formula, and real-shape 4-layer weights (slow)."""
 
 from __future__ import annotations
 
@@ -39,15 +39,15 @@ def _fingerprint(d: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
+def weights_dir(tmp_path_factory) -> Path:
     d = write_tiny_qwen4_exp(tmp_path_factory.mktemp("q4") / "tiny", seed=META["seed"])
-    assert _fingerprint(d) == META["fingerprint_sha256"], "tiny checkpoint writer changed"
+    assert _fingerprint(d) == META["fingerprint_sha256"], "tiny weights writer changed"
     return d
 
 
 @pytest.fixture(scope="module")
-def model(ckpt):
-    return load_model(ckpt)
+def model(weights_dir):
+    return load_model(weights_dir)
 
 
 def _tokens(n: int) -> list[int]:
@@ -177,9 +177,9 @@ def test_select_blocks_dense_regime_and_tail():
     assert sorted(idx.tolist()) == [4, 5, 6, 7, 12, 13, 14, 15, 24, 25]
 
 
-def test_tied_indexer_selects_lowest_blocks_end_to_end(ckpt):
+def test_tied_indexer_selects_lowest_blocks_end_to_end(weights_dir):
     """Zero indexer keys: every block scores 0, so the golden choice is blocks 0 and 1."""
-    m = load_model(ckpt)
+    m = load_model(weights_dir)
     att = m.net.model.layers[3].self_attn
     w = np.array(att.indexer.index_qk_proj.weight)
     w[4 * 16 :] = 0.0  # the key rows of index_qk_proj
@@ -290,36 +290,36 @@ def test_ple_eos_resets_ngram_context():
     assert a[4, 8] == ((80 * 3) ^ (70 * 5) ^ (eos * 7)) % sizes[8] + offs[8]
 
 
-def test_ple_buffer_mismatch_is_a_clear_error(ckpt, tmp_path):
-    from qwen38_backend.loading import read_checkpoint
+def test_ple_buffer_mismatch_is_a_clear_error(weights_dir, tmp_path):
+    from qwen38_backend.loading import read_weights
     from qwen38_backend.models import build_model
-    from qwen38_backend.models.load import load_into
+    from qwen38_backend.models.assign import assign_weights
 
-    c = read_checkpoint(ckpt, tokenizer=False)
-    weights = dict(c.weights)
+    c = read_weights(weights_dir, tokenizer=False)
+    weights = dict(c.tensors)
     name = "model.language_model.layers.1.ple.ple_embedding.layer_multipliers"
     weights[name] = mx.array(np.array(ngram_multipliers(512, 3, 0, 0), np.int64))
     with pytest.raises(WeightsError, match="layer_multipliers"):
-        load_into(build_model(c.config), weights, {}, mx.float32)
+        assign_weights(build_model(c.config), weights, {}, mx.float32)
 
 
-def test_memory_mapped_table_gives_the_same_logits(ckpt):
-    m = load_model(ckpt)
-    assert m.net.attach_ngram_tables(ckpt)
+def test_memory_mapped_table_gives_the_same_logits(weights_dir):
+    m = load_model(weights_dir)
+    assert m.net.attach_ngram_tables(weights_dir)
     table = m.net.model.layers[1].ple.ple_embedding.table
     assert table.dtypes is not None and len(table.shards) == 4
     assert np.abs(m.logits(_tokens(40)) - REF["logits_40"]).max() <= TOL
 
 
-def test_per_expert_checkpoint_layout_loads(ckpt, tmp_path):
+def test_per_expert_weights_layout_loads(weights_dir, tmp_path):
     """transformers' save_pretrained writes per-expert tensors; sanitize fuses them."""
-    from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.loading import read_weights
     from qwen38_backend.models import build_model
-    from qwen38_backend.models.load import load_into
+    from qwen38_backend.models.assign import assign_weights
 
-    c = read_checkpoint(ckpt, tokenizer=False)
+    c = read_weights(weights_dir, tokenizer=False)
     weights = {}
-    for n, w in c.weights.items():
+    for n, w in c.tensors.items():
         if n.endswith("experts.gate_up_proj"):
             p, inter = n[: -len("gate_up_proj")], w.shape[1] // 2
             for e in range(w.shape[0]):
@@ -332,7 +332,7 @@ def test_per_expert_checkpoint_layout_loads(ckpt, tmp_path):
         else:
             weights[n] = w
     net = build_model(c.config)
-    load_into(net, weights, {}, mx.float32)
+    assign_weights(net, weights, {}, mx.float32)
     out = np.array(net(mx.array(_tokens(10), dtype=mx.int32), net.make_state()))
     assert np.abs(out - REF["logits_10"]).max() <= TOL
 
@@ -435,15 +435,17 @@ def test_layer_type_spellings_all_mean_qsa():
 
 
 # ----- MTP -------------------------------------------------------------------------------------
-def test_mtp_has_31_tensors_and_is_dropped_when_absent(ckpt, model):
+def test_mtp_has_31_tensors_and_is_dropped_when_absent(weights_dir, model):
     assert len(tree_flatten(model.net.mtp.parameters())) == 31
-    from qwen38_backend.loading import read_checkpoint
+    from qwen38_backend.loading import read_weights
     from qwen38_backend.models import build_model
-    from qwen38_backend.models.load import load_into
+    from qwen38_backend.models.assign import assign_weights
 
-    c = read_checkpoint(ckpt, tokenizer=False)
+    c = read_weights(weights_dir, tokenizer=False)
     net = build_model(c.config)
-    load_into(net, {n: w for n, w in c.weights.items() if not n.startswith("mtp.")}, {}, mx.float32)
+    assign_weights(
+        net, {n: w for n, w in c.tensors.items() if not n.startswith("mtp.")}, {}, mx.float32
+    )
     assert not net.has_mtp
 
 
@@ -532,9 +534,9 @@ def test_paged_kv_options_are_refused_clearly_for_flash_next(tmp_path):
     """QSA keeps the contiguous store until the paged QSA store exists: a clear refusal."""
     import qwen38_backend
     from qwen38_backend.errors import InvalidOptionError
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
-    model = qwen38_backend.load(make_tiny_checkpoint("qwen4_exp", tmp_path / "m", seed=1))
+    model = qwen38_backend.load(make_tiny_weights("qwen4_exp", tmp_path / "m", seed=1))
     with pytest.raises(InvalidOptionError, match="QSA"):
         model.new_state(kv_paged="on")
     assert len(list(model.generate_tokens([1, 2, 3], max_tokens=3, stop_token_ids=[]))) == 3

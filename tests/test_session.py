@@ -25,19 +25,19 @@ def dense(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
     return qwen38_backend.load(
-        str(make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("q"), seed=0))
+        str(make_tiny_weights("qwen3_5", tmp_path_factory.mktemp("q"), seed=0))
     )
 
 
 @pytest.fixture(scope="module")
 def qwen4_exp(tmp_path_factory):
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
     return qwen38_backend.load(
-        str(make_tiny_checkpoint("qwen4_exp", tmp_path_factory.mktemp("x"), seed=0))
+        str(make_tiny_weights("qwen4_exp", tmp_path_factory.mktemp("x"), seed=0))
     )
 
 

@@ -48,9 +48,9 @@ def dense(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from qwen38_backend.testing import make_tiny_checkpoint
+    from qwen38_backend.testing import make_tiny_weights
 
-    model = qwen38_backend.load(str(make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("q"))))
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path_factory.mktemp("q"))))
     model.prefill_chunk = 16
     return model
 

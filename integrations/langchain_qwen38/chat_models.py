@@ -52,7 +52,7 @@ class _Cancelled(Exception):
 
 
 class ChatQwen38(BaseChatModel):
-    """Qwen3.8 models (and other local checkpoints qwen38_backend loads) as a chat model.
+    """Qwen3.8 models (and other local weights qwen38_backend loads) as a chat model.
 
     Construction is cheap: the weights load on the first call and are shared by every
     instance that names the same model and dtype, for the life of the process.

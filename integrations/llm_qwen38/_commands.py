@@ -43,11 +43,11 @@ def add(path: Path, name: str | None, make_default: bool) -> None:
 
     _home.ensure_home()
     try:
-        name, target, ckpt = add_weights(path, name, make_default=make_default)
+        name, target, weights = add_weights(path, name, make_default=make_default)
     except Qwen38Error as e:
         _fail(e)
-    arch = ckpt.config.get("model_type", "?")
-    click.echo(f"added {name} -> {target} ({arch}, {ckpt.format})")
+    arch = weights.config.get("model_type", "?")
+    click.echo(f"added {name} -> {target} ({arch}, {weights.format})")
     if make_default:
         click.echo(f"`llm -m qwen38` now uses {name}")
 

@@ -23,7 +23,7 @@ from .registry_file import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from .weights import Weights
 
 __all__ = [
     "DEFAULT_ALIAS",
@@ -39,28 +39,28 @@ __all__ = [
 
 def add_weights(
     path: str | Path, name: str | None = None, make_default: bool = False
-) -> tuple[str, Path, Checkpoint]:
+) -> tuple[str, Path, Weights]:
     """Check that `path` loads (config, weights index, tokenizer), then register it.
 
     The one way both `qwen38 add` and `llm qwen38 add` register weights. `name` defaults to
-    the directory name (or the .gguf file's stem). Returns (name, resolved path, Checkpoint).
-    Reads the checkpoint, so it imports MLX.
+    the directory name (or the .gguf file's stem). Returns (name, resolved path, Weights).
+    Reads the weights, so it imports MLX.
     """
-    from . import read_checkpoint
+    from . import read_weights
 
     p = Path(path).expanduser()
     name = name or (p.stem if p.suffix.lower() == ".gguf" else p.name)
     if name in RESERVED_NAMES:
         raise InvalidOptionError(f"{name!r} is reserved; choose another --name")
     validate_name(name)
-    ckpt = read_checkpoint(p, tokenizer=True)  # refuse what cannot load before registering
-    if ckpt.tokenizer is None:
+    weights = read_weights(p, tokenizer=True)  # refuse what cannot load before registering
+    if weights.tokenizer is None:
         raise TokenizerError(f"{p}: no tokenizer found (tokenizer.json or GGUF vocab)")
     reg = Registry()
     target = reg.add(name, p)
     if make_default:
         reg.default = name
-    return name, target, ckpt
+    return name, target, weights
 
 
 def resolve(name_or_path: str | Path | None = None) -> Path:

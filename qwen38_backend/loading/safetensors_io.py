@@ -1,4 +1,4 @@
-"""Safetensors checkpoints: single file or sharded, loaded lazily with `mx.load`."""
+"""Safetensors weights: single file or sharded, loaded lazily with `mx.load`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Read a model from disk (HF directory or GGUF): config, lazy weights and tokenizer."""
+"""Read weights from disk (HF directory or GGUF): config, lazy tensors and tokenizer."""
 
 from __future__ import annotations
 
@@ -14,15 +14,18 @@ from . import quant
 from .gguf import load_gguf, quantization_of
 from .safetensors_io import load_directory
 
-__all__ = ["Checkpoint", "read_checkpoint"]
+__all__ = ["Weights", "read_weights"]
 
 
 @dataclass
-class Checkpoint:
-    """Everything read from a model on disk; weights are lazy (memory-mapped) MLX arrays."""
+class Weights:
+    """Everything read from a model's files on disk; tensors are lazy (memory-mapped) MLX arrays.
+
+    `tensors` is consumed by `models.assign.assign_weights` (emptied once the module holds
+    them); the rest (config, tokenizer, source, ...) stays for the loaded Model."""
 
     config: dict[str, Any]
-    weights: dict[str, mx.array]
+    tensors: dict[str, mx.array]
     quantization: dict[str, tuple[int, int]]
     generation_config: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
@@ -31,10 +34,10 @@ class Checkpoint:
     rope_interleaved: bool = False
 
 
-def read_checkpoint(path: str | Path, *, tokenizer: bool = True) -> Checkpoint:
+def read_weights(path: str | Path, *, tokenizer: bool = True) -> Weights:
     """Read a model directory (HF layout) or a `.gguf` file.
 
-    With `tokenizer=False` the tokenizer is not loaded (`Checkpoint.tokenizer` is None).
+    With `tokenizer=False` the tokenizer is not loaded (`Weights.tokenizer` is None).
     """
     p = Path(path).expanduser()
     if not p.exists():
@@ -68,12 +71,12 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
     return data
 
 
-def _read_directory(p: Path, want_tokenizer: bool) -> Checkpoint:
+def _read_directory(p: Path, want_tokenizer: bool) -> Weights:
     config = _read_json(p / "config.json", required=True)
     weights = load_directory(p)
-    return Checkpoint(
+    return Weights(
         config=config,
-        weights=weights,
+        tensors=weights,
         quantization=quant.collect(weights, config),
         generation_config=_read_json(p / "generation_config.json", required=False),
         tokenizer=_tokenizer_from_dir(p) if want_tokenizer else None,
@@ -83,11 +86,11 @@ def _read_directory(p: Path, want_tokenizer: bool) -> Checkpoint:
     )
 
 
-def _read_gguf(p: Path, want_tokenizer: bool) -> Checkpoint:
+def _read_gguf(p: Path, want_tokenizer: bool) -> Weights:
     config, weights, generation_config, metadata = load_gguf(p)
-    return Checkpoint(
+    return Weights(
         config=config,
-        weights=weights,
+        tensors=weights,
         quantization=quantization_of(weights),
         generation_config=generation_config,
         tokenizer=_tokenizer_from_gguf(metadata) if want_tokenizer else None,

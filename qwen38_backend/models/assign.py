@@ -1,4 +1,4 @@
-"""Put a checkpoint's tensors into a built model: validate, quantize, load, cast."""
+"""Assign read weights to a built module: sanitize names, check shapes, quantize, cast."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import WeightsError
 
-# Tensors a checkpoint may carry that no module owns (the vision tower, rotary caches).
+# Tensors weights may carry that no module owns (the vision tower, rotary caches).
 _FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def default_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
-    """fp32 on CPU (MLX's x86 half kernels are slow); the checkpoint's float dtype on GPU."""
+    """fp32 on CPU (MLX's x86 half kernels are slow); the weights' float dtype on GPU."""
     if mx.default_device() == mx.cpu:
         return mx.float32
     for w in weights.values():
@@ -77,14 +77,15 @@ def dequantize_all(
     return out
 
 
-def load_into(
+def assign_weights(
     net: nn.Module,
     weights: dict[str, mx.array],
     quantization: dict[str, tuple[int, int]],
     dtype: mx.Dtype,
     dequantize: bool | None = None,
 ) -> None:
-    """Validate names and shapes against the model, quantize the named modules, load, cast.
+    """Sanitize names, check them and their shapes against the module, quantize the named
+    modules, cast, assign.
 
     Consumes `weights` (the dict is emptied): each tensor is cast and evaluated on its own and
     its source dropped, so peak memory stays near the loaded model's size, not source + copy.
@@ -137,7 +138,7 @@ def _check(expected: dict[str, mx.array], found: dict[str, mx.array]) -> None:
     if wrong:
         problems.append(f"mis-shaped tensors ({len(wrong)}): {_short(wrong)}")
     if problems:
-        raise WeightsError("checkpoint does not match the model: " + "; ".join(problems))
+        raise WeightsError("the weights do not match the model: " + "; ".join(problems))
 
 
 def _short(items: list[str], limit: int = 8) -> str:

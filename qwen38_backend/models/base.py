@@ -32,7 +32,7 @@ class CausalLM(nn.Module):
         return self.logits_from_hidden(h)
 
     def canonical_names(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Checkpoint names -> module names: `model.language_model.X` (multimodal wrappers) or
+        """Weight names -> module names: `model.language_model.X` (multimodal wrappers) or
         `language_model.model.X` -> `model.X`; the vision tower, rotary caches and a tied
         lm_head dropped."""
         out: dict[str, mx.array] = {}
@@ -59,7 +59,7 @@ class CausalLM(nn.Module):
 
     def _require_mtp(self) -> None:
         if not self.has_mtp:
-            raise ConfigError("this checkpoint has no MTP head (no mtp.* tensors)")
+            raise ConfigError("these weights have no MTP head (no mtp.* tensors)")
 
     def make_mtp_state(self):
         self._require_mtp()

@@ -87,7 +87,7 @@ def split_outputs(y: mx.array, sizes: list[int]) -> list[mx.array]:
 def fuse_projections(net: nn.Module) -> None:
     """Call `fuse()` on every trunk module that offers it (after the weights are loaded).
 
-    The MTP draft head keeps its checkpoint layout (its tensors are inspected as such)."""
+    The MTP draft head keeps its weights' layout (its tensors are inspected as such)."""
     for name, module in net.named_modules():
         if name.startswith("mtp"):
             continue

@@ -1,7 +1,7 @@
 """Flash-Next mixture of experts: fp32 softmax router, top-k, gathered SwiGLU experts, and a
 sigmoid-gated shared expert.
 
-Checkpoint layout (transformers' Qwen3NextExperts, which the 31-tensor MTP count confirms):
+Weights layout (transformers' Qwen3NextExperts, which the 31-tensor MTP count confirms):
 `mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj` [E, 2I, H] (gate = FIRST half),
 `mlp.experts.down_proj` [E, H, I], `mlp.shared_expert.{gate,up,down}_proj.weight`,
 `mlp.shared_expert_gate.weight` [1, H]. Per-expert tensors (`mlp.experts.{e}.gate_proj.weight`,

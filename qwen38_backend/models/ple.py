@@ -220,7 +220,7 @@ class PLEState:
 
 
 class NgramEmbedding(nn.Module):
-    """Hash parameters (checked against the checkpoint's int64 buffers) and the row table."""
+    """Hash parameters (checked against the weights' int64 buffers) and the row table."""
 
     def __init__(
         self,
@@ -247,7 +247,7 @@ class NgramEmbedding(nn.Module):
         self.freeze()
 
     def check_buffers(self, where: str, buffers: dict[str, mx.array]) -> None:
-        """Checkpoint buffers must equal the derivation (a wrong seed hashes to wrong rows)."""
+        """Buffers in the weights must equal the derivation (a wrong seed hashes to wrong rows)."""
         expect = {
             "layer_multipliers": np.array(self.multipliers, np.int64),
             "ngram_heads_vocab_sizes": self.sizes,
@@ -261,7 +261,7 @@ class NgramEmbedding(nn.Module):
                 raise WeightsError(
                     f"{where}.{name} = {got.tolist()[:4]}... does not match the derivation "
                     f"{want.tolist()[:4]}... (seed / vocab / ngram_vocab_size_base in config.json "
-                    "disagree with the checkpoint)"
+                    "disagree with the weights)"
                 )
 
     def rows(self, history: np.ndarray, n_new: int) -> np.ndarray:

@@ -132,8 +132,8 @@ class Qwen35Model(CausalLM):
         """HF / mlx-lm names -> module names.
 
         `model.language_model.X` or `model.X` -> `model.X`; vision tower dropped; `mtp.*` kept
-        (or the MTP module removed when the checkpoint has none); conv1d [C, 1, K] -> [C, K, 1].
-        mlx-lm converted checkpoints (conv already [C, K, 1]) folded +1 into the zero-centred
+        (or the MTP module removed when the weights have none); conv1d [C, 1, K] -> [C, K, 1].
+        mlx-lm converted weights (conv already [C, K, 1]) folded +1 into the zero-centred
         norms: it is taken back out here, in fp32.
         """
         out = self.canonical_names(weights)
@@ -207,7 +207,7 @@ class Qwen35MTPLayer(nn.Module):
 
 
 class Qwen35MTP(nn.Module):
-    """The 27B MTP head; parameter names match the checkpoint's `mtp.*` tensors."""
+    """The 27B MTP head; parameter names match the weights' `mtp.*` tensors."""
 
     def __init__(self, cfg: Qwen35Config):
         super().__init__()

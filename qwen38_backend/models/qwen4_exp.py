@@ -212,7 +212,7 @@ class Qwen4ExpModel(CausalLM):
         return [(i, b.ple) for i, b in enumerate(self.model.layers) if b.has_ple]
 
     def attach_ngram_tables(self, directory: str | Path) -> bool:
-        """Memory-map the n-gram tables from a checkpoint directory's safetensors files.
+        """Memory-map the n-gram tables from a weights directory's safetensors files.
 
         Preferred over the arrays sanitize sees: only gathered rows are ever read. Returns
         whether every PLE layer found its shards.
@@ -243,7 +243,7 @@ class Qwen4ExpModel(CausalLM):
         """HF / mlx-lm names -> module names.
 
         `model.language_model.X` or `model.X` -> `model.X`; vision tower dropped; `mtp.*` kept
-        (or the MTP module removed when the checkpoint has none); per-expert tensors fused;
+        (or the MTP module removed when the weights have none); per-expert tensors fused;
         GDN conv1d [C, 1, K] -> [C, K, 1]; the n-gram tables and their int64 hash buffers are
         taken out (checked against the derivation, tables kept as lazy shards unless
         `attach_ngram_tables` memory-maps them).
@@ -335,7 +335,7 @@ class Qwen4ExpMTPState:
 
 
 class Qwen4ExpMTP(nn.Module):
-    """Parameter names match the checkpoint's `mtp.*` tensors."""
+    """Parameter names match the weights' `mtp.*` tensors."""
 
     def __init__(self, cfg: Qwen4ExpConfig):
         super().__init__()

@@ -1,5 +1,5 @@
 """Test and demo helpers that ship with the package (`qwen38 make-tiny`): random tiny
-checkpoints in the real layouts, written with numpy + safetensors only (no torch)."""
+weights in the real layouts, written with numpy + safetensors only (no torch)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from ..errors import InvalidOptionError
 ARCHES = ("qwen3_5", "qwen4_exp", "llama", "qwen2", "qwen3")
 
 
-def make_tiny_checkpoint(arch: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write a complete random checkpoint directory for `arch`; deterministic in `seed`.
+def make_tiny_weights(arch: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a complete random weights directory for `arch`; deterministic in `seed`.
 
     Returns the directory. `overrides` are passed to the per-architecture writer (e.g.
     `dtype="bfloat16"`, or for qwen3_5 `dims="27b", num_layers=4`).
@@ -27,7 +27,7 @@ def make_tiny_checkpoint(arch: str, directory: str | Path, seed: int = 0, **over
         return write_tiny_qwen4_exp(directory, seed, **overrides)
     if arch in ("llama", "qwen2", "qwen3"):
         raise InvalidOptionError(
-            f"make_tiny_checkpoint({arch!r}) is not available yet: the dense families have "
+            f"make_tiny_weights({arch!r}) is not available yet: the dense families have "
             "committed fixtures under tests/fixtures/dense (scripts/make_dense_fixtures.py)"
         )
     raise InvalidOptionError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")

@@ -1,4 +1,4 @@
-"""A random qwen3_5 (Qwen3.8-27B layout) checkpoint: config.json, generation_config.json,
+"""Random qwen3_5 (Qwen3.8-27B layout) weights: config.json, generation_config.json,
 model.safetensors and a tiny tokenizer. numpy only; deterministic in the seed.
 
 Two sizes: the tiny test config of QWEN38.md (default) and `dims="27b"`: the real 27B
@@ -103,7 +103,7 @@ def text_config(dims: str = "tiny", num_layers: int | None = None, **overrides) 
 
 
 def tensor_shapes(tc: dict, with_mtp: bool = True) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of the checkpoint with its HF name and shape, in a fixed order."""
+    """Every tensor of the weights with its HF name and shape, in a fixed order."""
     H, inter, V = tc["hidden_size"], tc["intermediate_size"], tc["vocab_size"]
     nh, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     hk, hv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]

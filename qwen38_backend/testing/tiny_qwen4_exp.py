@@ -1,4 +1,4 @@
-"""A random Flash-Next (qwen4_exp) checkpoint in the real layout, written with numpy only.
+"""Random Flash-Next (qwen4_exp) weights in the real layout, written with numpy only.
 
 `dims="tiny"`: the QWEN38.md test config (vocab 512, hidden 64, 8 layers, ...), seconds on CPU.
 `dims="flash"`: the real Flash-Next shapes (hidden 2560, 24/2 heads x 256, GDN 16/48 x 128,
@@ -88,7 +88,7 @@ FLASH = dict(
 
 
 def text_config(dims: str = "tiny", num_layers: int | None = None) -> dict:
-    """The text_config dict of a tiny or real-shape checkpoint."""
+    """The text_config dict of tiny or real-shape weights."""
     if dims not in ("tiny", "flash"):
         from ..errors import InvalidOptionError
 
@@ -125,7 +125,7 @@ def text_config(dims: str = "tiny", num_layers: int | None = None) -> dict:
 
 
 def tensor_shapes(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every checkpoint tensor: name -> (shape, kind); kind picks the random distribution."""
+    """Every weights tensor: name -> (shape, kind); kind picks the random distribution."""
     H, hc, V = c["hidden_size"], c["hc_count"], c["vocab_size"]
     W = H * hc
     out: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -292,7 +292,7 @@ def write_safetensors(
     path: Path, specs: dict[str, tuple[tuple[int, ...], str]], make, dtype: str
 ) -> None:
     """Minimal streaming safetensors writer (numpy has no bfloat16): `make(name)` yields each
-    tensor in turn, so a multi-GB checkpoint never sits in memory at once. Floats are written
+    tensor in turn, so multi-GB weights never sit in memory at once. Floats are written
     in `dtype`, buffers (kind "buffer:*") as I64."""
     itemsize = {"F32": 4, "BF16": 2, "F16": 2}
     header, offset, order = {}, 0, sorted(specs)
