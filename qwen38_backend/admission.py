@@ -220,7 +220,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     if isinstance(config_or_model, dict):
         config = config_or_model
     elif net is not None:
-        config = dict(getattr(getattr(config_or_model, "checkpoint", None), "config", {}) or {})
+        config = dict(getattr(getattr(config_or_model, "weights", None), "config", {}) or {})
     else:
         net = config_or_model
         config = {}

@@ -1,32 +1,32 @@
-"""What `qwen38 info` reports about a model, read from its checkpoint without computing."""
+"""What `qwen38 info` reports about a model, read from its weights without computing."""
 
 from __future__ import annotations
 
 from .config import model_family, text_config
 
 
-def checkpoint_summary(ckpt) -> dict:
-    """Architecture, logical parameter count, stored bytes, dtypes and context of a checkpoint."""
+def weights_summary(weights) -> dict:
+    """Architecture, logical parameter count, stored bytes, dtypes and context of read weights."""
     params = 0
     stored = 0
     dtypes: dict[str, int] = {}
-    for name, w in ckpt.weights.items():
+    for name, w in weights.tensors.items():
         stored += w.nbytes
         module = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")) and module in ckpt.quantization:
+        if name.endswith((".scales", ".biases")) and module in weights.quantization:
             continue
-        if name.endswith(".weight") and module in ckpt.quantization:
-            bits = ckpt.quantization[module][1]
+        if name.endswith(".weight") and module in weights.quantization:
+            bits = weights.quantization[module][1]
             params += w.size * 32 // bits
             dtypes[f"q{bits}"] = dtypes.get(f"q{bits}", 0) + 1
         else:
             params += w.size
             dtypes[str(w.dtype).split(".")[-1]] = dtypes.get(str(w.dtype).split(".")[-1], 0) + 1
-    cfg = text_config(ckpt.config)
+    cfg = text_config(weights.config)
     return {
-        "architecture": cfg.get("model_type", ckpt.config.get("model_type")),
-        "family": model_family(ckpt.config),
-        "format": ckpt.format,
+        "architecture": cfg.get("model_type", weights.config.get("model_type")),
+        "family": model_family(weights.config),
+        "format": weights.format,
         "parameters": params,
         "bytes": stored,
         "dtypes": dtypes,
@@ -34,16 +34,16 @@ def checkpoint_summary(ckpt) -> dict:
         "layers": cfg.get("num_hidden_layers"),
         "hidden_size": cfg.get("hidden_size"),
         "vocab_size": cfg.get("vocab_size"),
-        "source": str(ckpt.source),
+        "source": str(weights.source),
     }
 
 
 def describe(name_or_path: str, context: int | None = None) -> str:
-    from .loading import read_checkpoint
+    from .loading import read_weights
     from .loading.registry import resolve
 
-    ckpt = read_checkpoint(resolve(name_or_path))
-    s = checkpoint_summary(ckpt)
+    weights = read_weights(resolve(name_or_path))
+    s = weights_summary(weights)
     lines = [
         f"model         {name_or_path}",
         f"source        {s['source']} ({s['format']})",
@@ -63,6 +63,6 @@ def describe(name_or_path: str, context: int | None = None) -> str:
         # as load() would run it: fp32 on CPU (quantized weights dequantized there)
         on_cpu = mx.default_device() == mx.cpu
         opts = {"dtype": "float32", "weights_dtype": "float32"} if on_cpu else {}
-        plan = memory_plan(ckpt.config, context, **opts)
+        plan = memory_plan(weights.config, context, **opts)
         lines.append(format_plan(plan, available_memory()))
     return "\n".join(lines)
