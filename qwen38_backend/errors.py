@@ -54,3 +54,13 @@ class ContextWindowError(InvalidOptionError):
 class OutputCutError(Qwen38Error, ValueError):
     """A constrained answer (JSON schema, JSON mode, forced tool call) cut by max_tokens
     before it was complete: what was generated is not a valid value."""
+
+
+class SpillError(Qwen38Error):
+    """An I/O failure of the SSD spill tier (kv/spill.py), recorded when it happens and
+    raised by the sequence's next read of spilled KV; reset the sequence to go on."""
+
+
+class SpillDiskFullError(SpillError):
+    """The spill file's disk is full (ENOSPC / EDQUOT); the sequence keeps working
+    resident-only while its context fits the pool."""

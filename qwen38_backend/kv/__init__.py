@@ -14,6 +14,8 @@ Options (wherever sampling options are accepted; validated and decided by policy
   before the open page always selected (both rounded up to whole pages).
 - kv_pool_tokens: resident rows per attention layer (the page pool's fixed capacity), or
   "auto" (default): sized from the memory available when the sequence first writes.
+- kv_spill_dir: where a sequence whose pool is full spills sealed pages (default: kv-spill
+  under the engine's cache dir); the file is removed when the sequence closes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .contiguous import ContiguousKV
 from .paged import PagedKV
 from .policy import KV_DEFAULTS, KV_OPTION_KEYS, KVChoice, auto_pool_tokens, choose_kv
 from .pool import PagePool
+from .spill import SpillFile
 
 __all__ = [
     "KV_OPTION_KEYS",
@@ -33,6 +36,7 @@ __all__ = [
     "KVFactory",
     "PagedKV",
     "PagePool",
+    "SpillFile",
     "choose_kv",
     "collect_kv_stats",
     "make_kv_factory",
@@ -43,13 +47,15 @@ class KVFactory:
     """Builds the paged stores of one sequence (models call it once per attention layer).
 
     What the layers of a sequence share lives here: the auto pool size, computed once when
-    the first layer writes (from the memory available then and the number of layers built).
+    the first layer writes (from the memory available then and the number of layers built),
+    and the spill file (created on the first page that has to leave a full pool).
     """
 
     def __init__(self, choice: KVChoice):
         self.choice = choice
         self.layers = 0
         self._auto_tokens: int | None | bool = False  # False: not computed yet
+        self.spill = SpillFile(choice.spill_dir)
 
     def __call__(self) -> PagedKV:
         c = self.choice
@@ -62,6 +68,7 @@ class KVFactory:
             recent=c.recent,
             mode=c.mode,
             pool_pages=pages if pages is not None else self._auto_pages,
+            spill=self.spill,
         )
 
     def _auto_pages(self, page_bytes: int) -> int | None:

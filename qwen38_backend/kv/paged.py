@@ -25,12 +25,14 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 
-from ..errors import AdmissionError, InvalidOptionError
-from .blocked import BLOCK_TOKENS, attend_past, spans
+from ..errors import AdmissionError, InvalidOptionError, SpillError
+from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .pool import PagePool, PoolFullError
 from .quest import forced_pages, page_min_max, quest_scores, select_pages
-from .table import PageTable
+from .spill import SpillFile
+from .table import SPILLED, PageTable, from_host
 
 # Set QWEN38_KV_PROFILE=1 (or PagedKV.profile = True) to time selection: it evaluates the
 # selection separately each step, which serialises decode, so it is off by default.
@@ -56,6 +58,7 @@ class PagedKV:
         pool: PagePool | None = None,
         always_select: bool = False,
         pool_pages: int | Callable[[int], int | None] | None = None,
+        spill: SpillFile | None = None,
     ):
         if mode not in ("on", "auto"):
             raise InvalidOptionError(f"PagedKV mode {mode!r}: must be 'on' or 'auto'")
@@ -63,7 +66,9 @@ class PagedKV:
         self.pool = pool or PagePool(page_tokens, pool_pages)
         if self.pool.page_tokens != page_tokens:
             raise InvalidOptionError("the pool's page_tokens differ from the store's")
-        self.table = PageTable(self.pool)
+        # With a spill tier, sealed pages can leave a bounded pool for the sequence's file.
+        self.table = PageTable(self.pool, spill.region() if spill is not None else None)
+        self._behind_at = 0  # n_sealed when write-behind last looked
         P = page_tokens
         self.budget_pages = -(-topk // P)  # token budget rounded up to whole pages
         self.sink_pages = -(-sinks // P)
@@ -83,12 +88,15 @@ class PagedKV:
                 "meta_read_bytes",
                 "select_seconds",
                 "attend_seconds",
+                "pages_fetched",
+                "spill_read_bytes",
             ),
             0,
         )
 
     def _reset(self) -> None:
         self.table.clear()
+        self._behind_at = 0
         self.length = 0
         self.kmin: mx.array | None = None  # [Hkv, meta_capacity, D] fp32, by logical page
         self.kmax: mx.array | None = None
@@ -124,14 +132,45 @@ class PagedKV:
         self.kmin[:, first : first + n] = mins
         self.kmax[:, first : first + n] = maxs
 
-    def _pool_full(self, err: PoolFullError) -> Exception:
+    def _pool_full(self, err: PoolFullError, what: str = "sequence") -> Exception:
         P = self.page_tokens
+        region = self.table.spill
+        if region is not None and region.failed:
+            failure = region.io.error
+            return type(failure)(
+                f"{failure}. The KV pool ({self.pool.capacity} pages of {P} tokens) is full "
+                f"and pages cannot spill: a {self.length:,}-token {what} does not fit resident"
+            )
+        cause = "nothing evictable" if region is not None else "no spill tier"
         return AdmissionError(
             f"KV page pool full: {self.pool.capacity} pages of {P} tokens "
             f"({self.pool.capacity * P:,} tokens) hold this layer, and a {self.length:,}-token "
-            f"sequence needs more with nothing evictable ({err}); raise kv_pool_tokens or "
-            "shorten the context"
+            f"{what} needs more with {cause} ({err}); raise kv_pool_tokens or shorten the "
+            "context"
         )
+
+    def _write_behind(self) -> None:
+        """Keep a quarter of a bounded pool empty or on disk, so evictions need not wait
+        for writes: queue the least recently used dirty sealed pages (not waited for)."""
+        region, pool = self.table.spill, self.pool
+        if region is None or pool.max_pages is None or region.failed:
+            return
+        if self.table.n_sealed == self._behind_at:
+            return  # nothing sealed since the last look
+        self._behind_at = self.table.n_sealed
+        reserve = max(pool.max_pages // 4, 1)
+        ready = pool.free_slots + pool.max_pages - pool.capacity
+        todo = []
+        for slot in pool.eviction_order():
+            if ready >= reserve:
+                break
+            owner, page = pool.owner_of(slot)
+            if owner is self.table:
+                if not region.is_pending(page):
+                    todo.append(page)
+                ready += 1
+        if todo:
+            self.table.write_behind(todo)
 
     def append(self, kr: mx.array, vr: mx.array, meta: bool = True) -> None:
         """Write rows kr/vr [Hkv, T, D] at the end; seal the pages they fill.
@@ -143,6 +182,7 @@ class PagedKV:
         P = self.page_tokens
         T = kr.shape[1]
         self.pool.bind(kr, vr)
+        self._write_behind()
         done = 0
         while done < T:
             start = self.length
@@ -201,8 +241,12 @@ class PagedKV:
 
     # ----- reading --------------------------------------------------------------------------
     def _dense_kv(self) -> tuple[mx.array, mx.array]:
-        """Every stored row as [1, Hkv, L, D] (a strided view of the pool when identity)."""
-        keys, values = self._span(0, self.length)
+        """Every stored row as [1, Hkv, L, D] (a strided view of the pool when identity;
+        spilled pages are read back)."""
+        if self.table.n_spilled:
+            keys, values = self._assemble(0, self.length, self._read(self._spilled(0, self.length)))
+        else:
+            keys, values = self._span(0, self.length)
         return keys[None], values[None]
 
     def _span(self, start: int, end: int) -> tuple[mx.array, mx.array]:
@@ -212,11 +256,88 @@ class PagedKV:
         rows = self._rows(start, end)
         return self.pool.k[:, rows], self.pool.v[:, rows]
 
+    def _spilled(self, start: int, end: int) -> list[int]:
+        P = self.page_tokens
+        slots = self.table.slots
+        return [p for p in range(start // P, -(-end // P)) if slots[p] == SPILLED]
+
+    def _read(self, pages: list[int]) -> dict:
+        if not pages:
+            return {}
+        data = self.table.spill.read(pages)
+        self._count_read(len(pages))
+        return data
+
+    def _count_read(self, n_pages: int) -> None:
+        self.stats["pages_fetched"] += n_pages
+        self.stats["spill_read_bytes"] += n_pages * self.table.spill.page_bytes
+
+    def _assemble(self, start: int, end: int, fetched: dict) -> tuple[mx.array, mx.array]:
+        """Rows [start, end) (start page-aligned) from resident runs and fetched pages."""
+        P = self.page_tokens
+        slots = self.table.slots
+        dtype = self.pool.k.dtype
+        parts_k, parts_v = [], []
+        page, last = start // P, -(-end // P)
+        while page < last:
+            if slots[page] == SPILLED:
+                k, v = fetched[page]
+                parts_k.append(from_host(k, dtype))
+                parts_v.append(from_host(v, dtype))
+                page += 1
+                continue
+            run = page
+            while run < last and slots[run] != SPILLED:
+                run += 1
+            k, v = self._span(page * P, run * P)
+            parts_k.append(k)
+            parts_v.append(v)
+            page = run
+        n = end - start
+        return mx.concatenate(parts_k, axis=1)[:, :n], mx.concatenate(parts_v, axis=1)[:, :n]
+
     def _past_blocks(self, past: int, block: int):
-        """K/V of rows [0, past) in page-aligned blocks [1, Hkv, B, D]."""
-        for a, b in spans(past, block):
-            kb, vb = self._span(a, b)
-            yield kb[None], vb[None]
+        """K/V of rows [0, past) in page-aligned blocks [1, Hkv, B, D]. Blocks holding
+        spilled pages are read one block ahead (the read overlaps this block's compute) and
+        marked transient, so the walk frees each before the next is read."""
+        blocks = list(spans(past, block))
+        if not self.table.n_spilled:
+            for a, b in blocks:
+                kb, vb = self._span(a, b)
+                yield kb[None], vb[None]
+            return
+        region = self.table.spill
+        ahead = None
+        for i, (a, b) in enumerate(blocks):
+            pages = self._spilled(a, b)
+            if ahead is not None:
+                fetched = ahead.result()
+                self._count_read(len(pages))
+            else:
+                fetched = self._read(pages)
+            ahead = None
+            if i + 1 < len(blocks):
+                more = self._spilled(*blocks[i + 1])
+                if more:
+                    ahead = region.read_async(more)
+            kb, vb = self._assemble(a, b, fetched) if pages else self._span(a, b)
+            yield kb[None], vb[None], bool(pages)
+
+    def _fetch(self, pages: list[int]) -> list[int]:
+        """Bring spilled pages back into slots (batched reads); returns their slots. The
+        caller pins what it needs resident, so these allocations cannot evict it."""
+        data = self._read(pages)
+        try:
+            slots = self.pool.alloc(len(pages), self.pool.k, self.pool.v)
+        except PoolFullError as e:
+            raise self._pool_full(e, "decode selection") from None
+        P = self.page_tokens
+        dtype = self.pool.k.dtype
+        rows = (mx.array(slots, dtype=mx.int32)[:, None] * P + mx.arange(P)).reshape(-1)
+        self.pool.k[:, rows] = mx.concatenate([from_host(data[p][0], dtype) for p in pages], 1)
+        self.pool.v[:, rows] = mx.concatenate([from_host(data[p][1], dtype) for p in pages], 1)
+        self.table.place(pages, slots)
+        return slots
 
     def selection_size(self) -> tuple[int, int]:
         """(pages in the context, pages a decode step would select)."""
@@ -237,13 +358,19 @@ class PagedKV:
                 return self._attend_selected(q, scale, n_pages, n_sel)
             self.stats["pages_selected"] += n_pages * k.shape[1]
             self.stats["kv_read_bytes"] += self.length * (k[0, :, 0].nbytes + v[0, :, 0].nbytes)
+            if self.table.n_spilled:  # stream the past through the walk; no refetch storm
+                blocks = self._past_blocks(self.length - 1, self._block())
+                return blocked_attention(q, blocks, k, v, scale)
             keys, values = self._dense_kv()
             return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
         past = self.length - T
-        block = max(self.block_tokens // self.page_tokens, 1) * self.page_tokens
+        block = self._block()
         return attend_past(
             q, past, lambda: self._past_blocks(past, block), k, v, scale, self._dense_kv, block
         )
+
+    def _block(self) -> int:
+        return max(self.block_tokens // self.page_tokens, 1) * self.page_tokens
 
     def select(self, q: mx.array, n_sel: int) -> mx.array:
         """Selected logical pages per KV head, int32 [Hkv, n_sel] ascending. q: [Hq, D]."""
@@ -252,6 +379,24 @@ class PagedKV:
         # The last page is always forced, so its (possibly unsealed) metadata is never used.
         scores = quest_scores(q, self.kmin[:, :n_pages], self.kmax[:, :n_pages])
         return select_pages(scores, forced, n_sel)
+
+    def _resident_selection(self, pages: mx.array) -> list[int]:
+        """Make every selected page resident: pin the resident ones, fetch the misses (the
+        pins keep those allocations from evicting the selection). Returns the pinned slots."""
+        wanted = np.unique(np.array(pages)).tolist()  # the selection is read on the host
+        slots = self.table.slots
+        resident = [slots[p] for p in wanted if slots[p] != SPILLED]
+        misses = [p for p in wanted if slots[p] == SPILLED]
+        self.pool.pin(resident)
+        if misses:
+            try:
+                fetched = self._fetch(misses)
+            except (SpillError, AdmissionError):
+                self.pool.unpin(resident)
+                raise
+            self.pool.pin(fetched)
+            resident += fetched
+        return resident
 
     def _attend_selected(self, q: mx.array, scale: float, n_pages: int, n_sel: int) -> mx.array:
         P = self.page_tokens
@@ -263,6 +408,9 @@ class PagedKV:
         if self.profile:
             mx.eval(pages)
             t1 = time.perf_counter()
+        pinned: list[int] = []
+        if self.table.n_spilled:
+            pinned = self._resident_selection(pages)
         slots = pages if self.table.identity else self.table.array()[pages]
         # The last (open) page is selected and sorts last: drop its unwritten tail.
         n_rows = n_sel * P - (n_pages * P - self.length)
@@ -270,6 +418,10 @@ class PagedKV:
         heads = mx.arange(hkv)[:, None]
         keys = self.pool.k[heads, rows][None]  # [1, Hkv, n_rows, D]: per-head pages
         values = self.pool.v[heads, rows][None]
+        if pinned:
+            # The gather above reads this version of the pool: later writes cannot reach it.
+            self.pool.unpin(pinned)
+            self.pool.touch(pinned)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
         if self.profile:
             mx.eval(out)
@@ -289,8 +441,11 @@ class PagedKV:
         return resident * self.pool.page_bytes() + meta
 
     def kv_stats(self) -> dict:
+        region = self.table.spill
         return {
             "pages_resident": len(self.table) - self.table.n_spilled,
+            "pages_spilled": self.table.n_spilled,
+            "spill_writes": region.n_written if region is not None else 0,
             "pool_pages": self.pool.capacity,
             "pool_bytes": self.pool.nbytes(),
             **self.stats,
@@ -339,11 +494,31 @@ class PagedKV:
             return
         P = self.page_tokens
         keep = -(-length // P)
+        cut = keep - 1 if length % P else None
+        # A cut page that is spilled is read before the table forgets its disk copy.
+        back = self._read([cut]) if cut is not None and self.table.slots[cut] == SPILLED else {}
         self.table.truncate(keep, length // P)
+        self._behind_at = 0
         self.length = length
         self.open_min = self.open_max = None
-        if length % P:
+        if back:
+            try:
+                slot = self.pool.alloc(1, self.pool.k, self.pool.v)
+            except PoolFullError as e:
+                raise self._pool_full(e, "rewound sequence") from None
+            k, v = back[cut]
+            rows = mx.arange(slot[0] * P, (slot[0] + 1) * P)
+            self.pool.k[:, rows] = from_host(k, self.pool.k.dtype)
+            self.pool.v[:, rows] = from_host(v, self.pool.v.dtype)
+            self.table.place([cut], slot)
+        if cut is not None:
             # Rewind is rare and the page is partial: its running min/max is rebuilt from its
             # live rows (the only time the pool is re-read).
-            part = self._span((keep - 1) * P, length)[0].astype(mx.float32)
+            part = self._span(cut * P, length)[0].astype(mx.float32)
             self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)
+
+    def close(self) -> None:
+        """Remove the sequence's spill file (every layer's; the first call does it)."""
+        region = self.table.spill
+        if region is not None and region.owner is not None:
+            region.owner.close()

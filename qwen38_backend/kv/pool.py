@@ -199,6 +199,11 @@ class PagePool:
             if slot in self._owner:  # sealed: evictable again, as just used
                 self._lru[slot] = None
 
+    def owner_of(self, slot: int) -> tuple[object | None, int]:
+        """(table, logical page) of a sealed slot."""
+        ref, page = self._owner[slot]
+        return ref(), page
+
     def eviction_order(self) -> list[int]:
         """Evictable slots, next victim first (tests, stats)."""
         return list(self._lru)

@@ -22,13 +22,19 @@ SPILLED = -1
 class SpillTier(Protocol):
     """What a table needs from the spill tier (kv/spill.py SpillRegion)."""
 
+    failed: bool
+
     def dirty(self, page: int) -> None: ...
 
     def forget(self, first_page: int) -> None: ...
 
+    def submit(self, page: int, k: np.ndarray, v: np.ndarray) -> None: ...
+
     def ensure_written(self, page: int, k: np.ndarray, v: np.ndarray) -> bool: ...
 
     def is_clean(self, page: int) -> bool: ...
+
+    def is_pending(self, page: int) -> bool: ...
 
 
 class PageTable:
@@ -85,29 +91,46 @@ class PageTable:
                 self.spill.dirty(page)
         self.n_sealed = max(self.n_sealed, n_sealed)
 
-    # ----- eviction (called by the pool) ---------------------------------------------------
-    def page_rows(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of the page in `slot` as host arrays [Hkv, page_tokens, D]."""
+    # ----- eviction (called by the pool) and the spill tier --------------------------------
+    def page_rows(self, slots: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """K and V of the pages in `slots` as host arrays [Hkv, page_tokens, D] (one
+        device-to-host copy for all of them)."""
         P = self.pool.page_tokens
-        k = self.pool.k[:, slot * P : (slot + 1) * P]
-        v = self.pool.v[:, slot * P : (slot + 1) * P]
-        return to_host(k), to_host(v)
+        rows = (mx.array(slots, dtype=mx.int32)[:, None] * P + mx.arange(P)).reshape(-1)
+        k, v = to_host(self.pool.k[:, rows]), to_host(self.pool.v[:, rows])
+        return [(k[:, i * P : (i + 1) * P], v[:, i * P : (i + 1) * P]) for i in range(len(slots))]
+
+    def write_behind(self, pages: list[int]) -> None:
+        """Queue resident sealed pages for the spill file (not waited for)."""
+        data = self.page_rows([self.slots[p] for p in pages])
+        for page, (k, v) in zip(pages, data, strict=True):
+            self.spill.submit(page, k, v)
 
     def evict(self, page: int, slot: int) -> bool:
         if self.spill is None or page >= len(self.slots) or self.slots[page] != slot:
             return False
+        if self.spill.failed:
+            return False  # after a failure pages stay resident (reads would raise it)
         if not self.spill.is_clean(page):
-            k, v = self.page_rows(slot)
+            (k, v) = self.page_rows([slot])[0]
             if not self.spill.ensure_written(page, k, v):
                 return False
         self.slots[page] = SPILLED
         self._changed()
         return True
 
+    def place(self, pages: list[int], slots: list[int]) -> None:
+        """Fetched pages now live in `slots` (sealed ones become evictable again)."""
+        for page, slot in zip(pages, slots, strict=True):
+            self.slots[page] = slot
+            if page < self.n_sealed:
+                self.pool.seal(slot, self, page)
+        self._changed()
+
     # ----- truncation ----------------------------------------------------------------------
-    def truncate(self, n_pages: int, n_sealed: int) -> list[int]:
-        """Keep pages [0, n_pages), of which [0, n_sealed) stay sealed. Returns the logical
-        pages that must be brought back (a spilled page that becomes open again)."""
+    def truncate(self, n_pages: int, n_sealed: int) -> None:
+        """Keep pages [0, n_pages), of which [0, n_sealed) stay sealed (a page past them
+        becomes open again; if it is spilled the caller brings it back)."""
         gone = [s for s in self.slots[n_pages:] if s != SPILLED]
         self.pool.release(gone)
         del self.slots[n_pages:]
@@ -118,7 +141,6 @@ class PageTable:
         if self.spill is not None:
             self.spill.forget(self.n_sealed)  # its copies past the sealed run are stale
         self._changed()
-        return [p for p in range(n_sealed, n_pages) if self.slots[p] == SPILLED]
 
     def clear(self) -> None:
         self.pool.release(self.resident_slots())
