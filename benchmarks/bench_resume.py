@@ -1,7 +1,7 @@
-"""Time to first token of a follow-up turn: from a checkpoint vs full recompute.
+"""Time to first token of a follow-up turn: from a state file vs full recompute.
 
 For each history length (tokens of chat history before the follow-up), one setup turn runs
-the history and stores its checkpoint in a fresh prefix-store directory. Then, several times
+the history and stores its state file in a fresh prefix-store directory. Then, several times
 each, the follow-up turn (history + the reply + a new question) is timed from `generate()`
 to its first event:
   recompute  Session(cache=False): prefill everything
@@ -50,7 +50,7 @@ def first_event_seconds(session, msgs) -> tuple[float, dict]:
     events = session.generate(msgs, max_tokens=2, stop_token_ids=[])
     next(events)
     elapsed = time.perf_counter() - t0
-    events.close()  # do not run the turn's end (it would store checkpoints: not timed here)
+    events.close()  # do not run the turn's end (it would store state files: not timed here)
     return elapsed, session.last_stats.usage()
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             {"role": "user", "content": "Summarize the regional trends in one sentence."},
         ]
         prompt_tokens = len(probe.render(follow)[0])
-        ckpt_bytes = sum(e.nbytes for e in store.entries() if e.tier == "disk")
+        state_file_bytes = sum(e.nbytes for e in store.entries() if e.tier == "disk")
         runs: dict[str, list[float]] = {"recompute": [], "disk": [], "memory": []}
         usage: dict[str, dict] = {}
         for _ in range(args.runs):
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             "history_tokens": len(probe.render(history)[0]),
             "follow_up_prompt_tokens": prompt_tokens,
             "cached_tokens": usage["disk"]["cached"],
-            "checkpoint_bytes_on_disk": ckpt_bytes,
+            "state_file_bytes_on_disk": state_file_bytes,
             "setup_turn_seconds": setup_s,
             "ttft_median_seconds": medians,
             "speedup_disk_vs_recompute": medians["recompute"] / medians["disk"],

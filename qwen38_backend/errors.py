@@ -39,8 +39,8 @@ class AdmissionError(Qwen38Error):
     """A context or pool that does not fit in memory; the message carries the shortfall."""
 
 
-class CheckpointError(Qwen38Error):
-    """A checkpoint that is corrupt, truncated, foreign or from another format version."""
+class StateFileError(Qwen38Error):
+    """A state file that is corrupt, truncated, foreign or from another format version."""
 
 
 class Cancelled(Qwen38Error):
@@ -64,3 +64,16 @@ class SpillError(Qwen38Error):
 class SpillDiskFullError(SpillError):
     """The spill file's disk is full (ENOSPC / EDQUOT); the sequence keeps working
     resident-only while its context fits the pool."""
+
+
+def __getattr__(name: str):
+    if name == "CheckpointError":  # the name before "state file"; kept for callers that catch it
+        import warnings
+
+        warnings.warn(
+            "qwen38_backend.errors.CheckpointError is deprecated; use StateFileError",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return StateFileError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 Two tiers, both LRU under a byte cap:
 - memory: recent StateSnapshots (no I/O; survives only the process);
-- disk: checkpoint files (checkpoint.py) under `directory/<fingerprint[:16]>/`, named
+- disk: state files (state_files.py) under `directory/<fingerprint[:16]>/`, named
   `<n_tokens>-<key>.ckpt.safetensors`. The directory is the index: no side file to get out
   of sync when several processes share it; a file's mtime is its last use.
 
@@ -12,7 +12,7 @@ that merely shares a prefix with the prompt is usable up to that common prefix (
 after restore). Recurrent layers need the exact boundary, which is why sessions store
 snapshots at message boundaries and at the prompt boundary.
 
-A checkpoint that fails verification is refused with a CheckpointWarning naming the reason,
+A state file that fails verification is refused with a StateFileWarning naming the reason,
 deleted (it would fail again), and the prompt is recomputed: never wrong output, never a crash.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import SUFFIX, CheckpointInfo, load_checkpoint, read_header, save_checkpoint
-from .errors import CheckpointError
+from .errors import StateFileError
 from .state import StateSnapshot
+from .state_files import SUFFIX, StateFileInfo, read_header, read_state_file, save_state_file
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,13 @@ DEFAULT_DISK_BYTES = 20 * 1024**3
 DEFAULT_MEMORY_BYTES = 1024**3
 
 
-class CheckpointWarning(UserWarning):
-    """A checkpoint that could not be written or was refused on load (the session goes on)."""
+class StateFileWarning(UserWarning):
+    """A state file that could not be written or was refused on load (the session goes on)."""
 
 
 def default_directory() -> Path:
-    """`data_dir()/checkpoints` (QWEN38_HOME or the platform's user data directory)."""
+    """`data_dir()/checkpoints` (the name from before "state files", kept so stored files
+    stay found; QWEN38_HOME or the platform's user data directory)."""
     from .loading.paths import data_dir
 
     return data_dir() / "checkpoints"
@@ -82,7 +83,7 @@ class PrefixHit:
 
 @dataclass
 class EntryInfo:
-    """One stored checkpoint (for `qwen38 cache list`)."""
+    """One stored state file (for `qwen38 cache list`)."""
 
     key: str
     tier: str
@@ -106,7 +107,7 @@ class _MemEntry:
 class PrefixStore:
     """Longest-prefix lookup of saved states; memory LRU + on-disk LRU, each under a byte cap.
 
-    directory: where checkpoint files live (default `data_dir()/checkpoints`); `disk=False`
+    directory: where state files live (default `data_dir()/checkpoints`); `disk=False`
     keeps everything in memory. max_bytes caps the disk tier, memory_bytes the memory tier.
     """
 
@@ -123,7 +124,7 @@ class PrefixStore:
         self.memory_bytes = int(memory_bytes)
         self.disk = disk
         self._memory: OrderedDict[str, _MemEntry] = OrderedDict()
-        self._headers: dict[str, tuple[int, int, CheckpointInfo, np.ndarray]] = {}
+        self._headers: dict[str, tuple[int, int, StateFileInfo, np.ndarray]] = {}
         self.last_error: str | None = None
 
     # ----- paths and listing ----------------------------------------------------------------
@@ -150,7 +151,7 @@ class PrefixStore:
         except OSError:
             return []
 
-    def _header(self, path: Path) -> tuple[CheckpointInfo, np.ndarray] | None:
+    def _header(self, path: Path) -> tuple[StateFileInfo, np.ndarray] | None:
         """Cached header of a file (re-read when its size or mtime changed); None if bad."""
         try:
             st = path.stat()
@@ -161,7 +162,7 @@ class PrefixStore:
             return cached[2], cached[3]
         try:
             info = read_header(path)
-        except CheckpointError as e:
+        except StateFileError as e:
             self._refuse(path, e)
             return None
         tokens = np.asarray(info.tokens, dtype=np.int64)
@@ -240,8 +241,8 @@ class PrefixStore:
                 # a foreign file under this model's directory: refuse it loudly, once
                 self._refuse(
                     path,
-                    CheckpointError(
-                        f"checkpoint {path} was written by a different model (fingerprint "
+                    StateFileError(
+                        f"state file {path} was written by a different model (fingerprint "
                         f"{info.model_fingerprint[:16]}..., this model {fingerprint[:16]}...)"
                     ),
                 )
@@ -255,7 +256,7 @@ class PrefixStore:
         return best
 
     def load(self, hit: PrefixHit, model: Any) -> StateSnapshot:
-        """The snapshot of a hit; a refused file is deleted and CheckpointError re-raised."""
+        """The snapshot of a hit; a refused file is deleted and StateFileError re-raised."""
         if hit.tier == "memory":
             entry = self._memory[hit.key]
             self._memory.move_to_end(hit.key)
@@ -263,8 +264,8 @@ class PrefixStore:
             return entry.snap
         assert hit.path is not None
         try:
-            snap = load_checkpoint(hit.path, model)
-        except CheckpointError as e:
+            snap = read_state_file(hit.path, model)
+        except StateFileError as e:
             self._refuse(hit.path, e)
             raise
         try:
@@ -276,7 +277,7 @@ class PrefixStore:
     def _refuse(self, path: Path, err: Exception) -> None:
         self.last_error = str(err)
         log.warning("%s", err)
-        warnings.warn(f"{err}; recomputing instead", CheckpointWarning, stacklevel=3)
+        warnings.warn(f"{err}; recomputing instead", StateFileWarning, stacklevel=3)
         self._headers.pop(str(path), None)
         try:
             path.unlink()
@@ -297,10 +298,10 @@ class PrefixStore:
 
         supersede: the state is truncatable, so entries whose tokens are a prefix of this one
         are redundant (this entry serves every prompt they served) and are removed.
-        A failed disk write (e.g. disk full) warns with CheckpointWarning and is otherwise
+        A failed disk write (e.g. disk full) warns with StateFileWarning and is otherwise
         ignored: the session keeps working, nothing partial is left on disk.
         """
-        from .checkpoint import model_fingerprint
+        from .state_files import model_fingerprint
 
         fp = fingerprint or model_fingerprint(model)
         tokens = np.asarray(snap.tokens, dtype=np.int64)
@@ -318,11 +319,11 @@ class PrefixStore:
                 os.utime(path)
             else:
                 try:
-                    save_checkpoint(path, snap, model)
-                except CheckpointError as e:
+                    save_state_file(path, snap, model)
+                except StateFileError as e:
                     self.last_error = str(e)
                     log.warning("%s", e)
-                    warnings.warn(f"{e}; continuing without it", CheckpointWarning, stacklevel=2)
+                    warnings.warn(f"{e}; continuing without it", StateFileWarning, stacklevel=2)
                 else:
                     self._evict_disk(keep=path)
         return key
@@ -431,3 +432,16 @@ class PrefixStore:
                 d.rmdir()
             except OSError:
                 pass
+
+
+def __getattr__(name: str):
+    if name == "CheckpointWarning":  # the name before "state file"; kept for warning filters
+        import warnings
+
+        warnings.warn(
+            "qwen38_backend.prefix_store.CheckpointWarning is deprecated; use StateFileWarning",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return StateFileWarning
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

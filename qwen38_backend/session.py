@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from .admission import MemoryPlan, admit, available_memory, memory_plan
-from .checkpoint import check_compatible, model_fingerprint
-from .errors import Cancelled, CheckpointError
+from .errors import Cancelled, StateFileError
 from .events import Event, StreamParser
 from .generation import GenerationStats, TokenStream
 from .kv import collect_kv_stats
@@ -19,6 +18,7 @@ from .prefix_store import PrefixStore
 from .request import Request, build_request
 from .sampling import SamplingParams
 from .state import RewindError, SequenceState, StateSnapshot
+from .state_files import check_compatible, model_fingerprint
 
 if TYPE_CHECKING:
     from .engine import Model
@@ -54,7 +54,7 @@ class Session:
     """One conversation: keeps its SequenceState so a follow-up only prefills what is new.
 
     cache=True (default) also looks prompts up in the prefix store (memory + disk) and stores
-    checkpoints there: at the last message boundary and the prompt boundary (models with
+    state files there: at the last message boundary and the prompt boundary (models with
     recurrent layers, which cannot be cut back) and after generation. Pass a PrefixStore to
     use your own directory / caps. cache=False recomputes every prompt and stores nothing.
     Options besides sampling / KV / template ones: `memory_limit` (bytes; admission refuses
@@ -105,7 +105,7 @@ class Session:
         return max(points, default=0)
 
     def _prepare_state(self, ids: list[int], kv: dict) -> SequenceState:
-        """The state to continue from: the live one cut back, a stored checkpoint, or fresh.
+        """The state to continue from: the live one cut back, a stored state file, or fresh.
 
         At least one prompt token is always left to run (its logits start decoding).
         """
@@ -130,7 +130,7 @@ class Session:
                 if fresh.offset > hit.length:
                     fresh.truncate(hit.length)
                 return fresh
-            except (CheckpointError, RewindError) as e:
+            except (StateFileError, RewindError) as e:
                 # refused (and reported by the store): fall back to what we have
                 store.last_error = str(e)
                 fresh = self.model.new_state(**kv)

@@ -34,7 +34,7 @@ def state_kind(layer: object) -> str:
     """`name/vN` identifying a layer state's snapshot format, nested stores included.
 
     A class declares `state_kind: str` and `state_version: int` (defaults: the class name and
-    1); bump the version whenever `snapshot()`'s keys, shapes or meaning change, so checkpoints
+    1); bump the version whenever `snapshot()`'s keys, shapes or meaning change, so state files
     written by the old format are refused instead of restored wrongly. Wrapped stores (a QSA
     state's `kv`, a mixer's `ple`) are part of the kind, so contiguous and paged layouts differ.
     """

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path_factory, monkeypatch) -> Path:
-    """Each test gets its own registry / cache / checkpoint directory."""
+    """Each test gets its own registry / cache / prefix store directory."""
     home = tmp_path_factory.mktemp("qwen38_home")
     monkeypatch.setenv("QWEN38_HOME", str(home))
     return home

@@ -419,7 +419,7 @@ def test_demo_structured_output_is_validated_pydantic(demo_gguf: Path) -> None:
 
 
 def test_prefix_reused_across_processes(isolated_home: Path) -> None:
-    """Another process ran this conversation; its checkpoint (prefix store under
+    """Another process ran this conversation; its state file (prefix store under
     QWEN38_HOME) spares this process the prefill."""
     path = tiny_model("qwen3")
     prompt = "Please summarise the history of the Roman empire in one line."

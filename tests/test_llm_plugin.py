@@ -143,7 +143,7 @@ def test_default_alias(cli, tiny):
 
 def test_commands_remove_info_and_errors(cli, tiny):
     info = cli("qwen38", "info", "tiny").stdout
-    assert "qwen3" in info and "checkpoints" in info
+    assert "qwen3" in info and "state files" in info
     proc = cli("qwen38", "remove", "nope", check=False)
     assert proc.returncode != 0 and "unknown model 'nope'" in proc.stderr
     proc = cli("qwen38", "add", str(cli.user_dir / "missing"), check=False)
@@ -155,16 +155,16 @@ def test_commands_remove_info_and_errors(cli, tiny):
 def test_cache_commands(cli, tiny):
     cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
     listed = cli("qwen38", "cache", "list").stdout
-    assert "checkpoints" in listed and not listed.startswith("0 checkpoints")
-    ckpt_dir = cli.user_dir / "qwen38" / "checkpoints"
-    assert any(ckpt_dir.rglob("*.safetensors"))
+    assert "state files" in listed and not listed.startswith("0 state files")
+    store_dir = cli.user_dir / "qwen38" / "checkpoints"
+    assert any(store_dir.rglob("*.safetensors"))
     proc = cli("qwen38", "cache", "prune", "--max-bytes", "lots", check=False)
     assert proc.returncode != 0 and "invalid size" in proc.stderr
     cli("qwen38", "cache", "prune", "--max-bytes", "0")
-    assert not any(ckpt_dir.rglob("*.safetensors"))
+    assert not any(store_dir.rglob("*.safetensors"))
     cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
     cli("qwen38", "cache", "clear", "--yes")
-    assert not any(ckpt_dir.rglob("*.safetensors"))
+    assert not any(store_dir.rglob("*.safetensors"))
 
 
 # ----- bad input ---------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def test_weights_of_another_model(cli, tmp_path):
     assert not (cli.user_dir / "logs.db").exists() or not cli.responses()
 
 
-def test_corrupt_checkpoint_is_recomputed(cli, tiny):
+def test_corrupt_state_file_is_recomputed(cli, tiny):
     cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
     files = list((cli.user_dir / "qwen38" / "checkpoints").rglob("*.safetensors"))
     assert files
@@ -248,7 +248,7 @@ def test_continue_in_a_new_process_restores_the_prefix(cli, tiny):
     cli("-c", "and again", "-o", "max_tokens", "5", "-o", "seed", "1")
     first, second = cli.responses()[-2:]
     assert second["conversation_id"] == first["conversation_id"]
-    # the prior turns are in the prompt, and their prefix came from the checkpoint store
+    # the prior turns are in the prompt, and their prefix came from the prefix store
     assert second["input_tokens"] > first["input_tokens"]
     assert second["token_details"]["cached_tokens"] >= first["input_tokens"] - 4
     assert second["token_details"]["cached_tokens"] > 0
@@ -261,8 +261,8 @@ def test_continue_with_cache_off_reprefills(cli, tiny):
 
 
 def test_chat_reuses_the_live_session(cli, tiny):
-    # no disk checkpoints (cap 0): any reuse must come from this process's memory
-    cli.env["QWEN38_CHECKPOINT_MAX_BYTES"] = "0"
+    # no state files on disk (cap 0): any reuse must come from this process's memory
+    cli.env["QWEN38_PREFIX_STORE_MAX_BYTES"] = "0"
     out = cli(
         "chat", "-m", "tiny", "-o", "max_tokens", "4", "-o", "seed", "2",
         input="one\ntwo\nthree\nquit\n",

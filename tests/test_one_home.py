@@ -69,7 +69,7 @@ def test_llm_add_then_qwen38_run_and_info(user: dict[str, str], tmp_path: Path) 
     where = run(user, "llm", "qwen38", "info", "democopy").stdout
     assert f"registry      {registry}" in where
     assert f"weights cache {platformdirs.user_cache_dir('qwen38')}" in where
-    assert f"checkpoints   {tmp_path / 'llm-user' / 'qwen38' / 'checkpoints'}" in where
+    assert f"state files   {tmp_path / 'llm-user' / 'qwen38' / 'checkpoints'}" in where
 
 
 def test_qwen38_add_then_llm_finds_it(user: dict[str, str], tmp_path: Path) -> None:

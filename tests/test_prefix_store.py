@@ -9,8 +9,8 @@ import pytest
 from helpers import dense_fixture
 
 import qwen38_backend
-from qwen38_backend.checkpoint import SUFFIX, model_fingerprint
-from qwen38_backend.prefix_store import CheckpointWarning, PrefixStore, snapshot_nbytes
+from qwen38_backend.prefix_store import PrefixStore, StateFileWarning, snapshot_nbytes
+from qwen38_backend.state_files import SUFFIX, model_fingerprint
 
 IDS = [(i * 13 + 5) % 480 + 10 for i in range(64)]
 
@@ -113,9 +113,9 @@ def test_corrupt_file_is_refused_and_removed(model, tmp_path):
     path.write_bytes(bytes(data))
     fresh = PrefixStore(tmp_path)
     hit = fresh.lookup(model_fingerprint(model), IDS, truncatable=True)
-    from qwen38_backend.errors import CheckpointError
+    from qwen38_backend.errors import StateFileError
 
-    with pytest.warns(CheckpointWarning, match="fails its checksum"):
-        with pytest.raises(CheckpointError):
+    with pytest.warns(StateFileWarning, match="fails its checksum"):
+        with pytest.raises(StateFileError):
             fresh.load(hit, model)
     assert not path.exists()

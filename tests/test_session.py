@@ -11,8 +11,8 @@ import pytest
 from helpers import dense_fixture
 
 import qwen38_backend
-from qwen38_backend.checkpoint import SUFFIX
-from qwen38_backend.prefix_store import CheckpointWarning, PrefixStore, common_prefix
+from qwen38_backend.prefix_store import PrefixStore, StateFileWarning, common_prefix
+from qwen38_backend.state_files import SUFFIX
 
 GREEDY = dict(max_tokens=12, enable_thinking=False)
 TURNS = ["hello there, how are you today?", "tell me about the weather", "and in Paris?"]
@@ -153,7 +153,7 @@ def _corrupt(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
-def test_damaged_checkpoint_is_refused_and_recomputed(dense, tmp_path, damage):
+def test_damaged_state_file_is_refused_and_recomputed(dense, tmp_path, damage):
     directory = tmp_path / "store"
     msgs = [{"role": "user", "content": TURNS[0]}]
     expected, _ = _turn(dense.session(cache=False), msgs)
@@ -164,27 +164,27 @@ def test_damaged_checkpoint_is_refused_and_recomputed(dense, tmp_path, damage):
     else:
         path.write_bytes(path.read_bytes()[:-50])
     store = PrefixStore(directory)
-    with pytest.warns(CheckpointWarning, match="checksum|truncated"):
+    with pytest.warns(StateFileWarning, match="checksum|truncated"):
         text, done = _turn(dense.session(cache=store), msgs)
     assert done.usage["cached"] == 0 and text == expected
     assert "recomputing" not in (store.last_error or "")
     assert store.last_error and ("checksum" in store.last_error or "truncated" in store.last_error)
 
 
-def test_foreign_checkpoint_is_refused_and_recomputed(dense, tmp_path):
+def test_foreign_state_file_is_refused_and_recomputed(dense, tmp_path):
     other = qwen38_backend.load(str(dense_fixture("qwen2", tmp_path / "m")))
     msgs = [{"role": "user", "content": TURNS[0]}]
     foreign_store = PrefixStore(tmp_path / "foreign")
     _turn(other.session(cache=foreign_store), msgs)
     (foreign,) = foreign_store.directory.rglob(f"*{SUFFIX}")
-    # plant it where this model's checkpoints live, under a name that matches the prompt
+    # plant it where this model's state files live, under a name that matches the prompt
     store = PrefixStore(tmp_path / "store")
     _turn(dense.session(cache=store), msgs)
     (own,) = store.directory.rglob(f"*{SUFFIX}")
     own.write_bytes(foreign.read_bytes())
     expected, _ = _turn(dense.session(cache=False), msgs)
     store2 = PrefixStore(store.directory)
-    with pytest.warns(CheckpointWarning, match="different model"):
+    with pytest.warns(StateFileWarning, match="different model"):
         text, done = _turn(dense.session(cache=store2), msgs)
     assert done.usage["cached"] == 0 and text == expected
 
@@ -200,13 +200,13 @@ def test_disk_full_keeps_the_session_working(dense, tmp_path, monkeypatch):
     store = PrefixStore(tmp_path / "store")
     session = dense.session(cache=store)
     monkeypatch.setattr(os, "write", full_disk)
-    with pytest.warns(CheckpointWarning, match="No space left on device"):
+    with pytest.warns(StateFileWarning, match="No space left on device"):
         text, _ = _turn(session, msgs)
     assert not [p for p in store.directory.rglob("*") if p.is_file()]  # nothing partial
     monkeypatch.setattr(os, "write", real_write)
     msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": TURNS[1]}]
     with warnings.catch_warnings():
-        warnings.simplefilter("error", CheckpointWarning)
+        warnings.simplefilter("error", StateFileWarning)
         text2, done = _turn(session, msgs)
     assert [text, text2] == expected and done.usage["cached"] > 0
     assert len(list(store.directory.rglob(f"*{SUFFIX}"))) == 1  # writes work again

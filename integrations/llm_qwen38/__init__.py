@@ -51,7 +51,7 @@ class Qwen38Options(llm.Options):
     )
     cache: bool | None = Field(
         default=None,
-        description="Reuse computed prefixes (live session, disk checkpoints); default on",
+        description="Reuse computed prefixes (live session, state files on disk); default on",
     )
     tool_choice: str | None = Field(
         default=None,

@@ -1,4 +1,4 @@
-"""`llm qwen38 ...`: manage local models and the prefix-checkpoint cache.
+"""`llm qwen38 ...`: manage local models and the prefix store (state files).
 
 Engine modules are imported inside each command, so `llm --help` stays fast.
 """
@@ -26,7 +26,7 @@ def _registry():
 
 @click.group()
 def qwen38_group() -> None:
-    """Local Qwen3.8 models: register weights, pick a default, manage checkpoints."""
+    """Local Qwen3.8 models: register weights, pick a default, manage the prefix store."""
 
 
 @qwen38_group.command()
@@ -126,7 +126,7 @@ def info(name: str | None, context: int | None) -> None:
 
     click.echo(f"registry      {Registry().path}")
     click.echo(f"weights cache {paths.cache_dir()}")
-    click.echo(f"checkpoints   {_home.checkpoints_dir()}")
+    click.echo(f"state files   {_home.state_files_dir()}")
 
 
 @qwen38_group.command(name="fetch-demo")
@@ -143,12 +143,12 @@ def fetch_demo() -> None:
     click.echo(f"{_home.DEMO_NAME}: {path}")
 
 
-# ----- checkpoint cache --------------------------------------------------------------------
+# ----- prefix store ------------------------------------------------------------------------
 
 
 @qwen38_group.group()
 def cache() -> None:
-    """Prefix checkpoints that let `llm -c` resume without re-prefilling."""
+    """The prefix store: state files that let `llm -c` resume without re-prefilling."""
 
 
 def _store():
@@ -161,7 +161,7 @@ def _store():
 
 @cache.command(name="list")
 def cache_list() -> None:
-    """List checkpoints, most recently used first."""
+    """List state files, most recently used first."""
     store = _store()
     entries = [e for e in store.entries() if e.tier == "disk"] if store is not None else []
     total = sum(e.nbytes for e in entries)
@@ -169,19 +169,19 @@ def cache_list() -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
         size = _home.format_size(e.nbytes)
         click.echo(f"{stamp}  {size:>10}  {e.n_tokens:>8} tokens  model {e.model_fingerprint[:12]}")
-    cap = _home.format_size(_home.checkpoint_cap())
-    click.echo(f"{len(entries)} checkpoints, {_home.format_size(total)} (cap {cap})")
-    click.echo(f"directory: {_home.checkpoints_dir()}")
+    cap = _home.format_size(_home.prefix_store_cap())
+    click.echo(f"{len(entries)} state files, {_home.format_size(total)} (cap {cap})")
+    click.echo(f"directory: {_home.state_files_dir()}")
 
 
 @cache.command(name="prune")
 @click.option("--max-bytes", "max_bytes", help="Keep at most this much, e.g. 2GB")
-@click.option("--older-than-days", type=float, help="Also drop checkpoints unused this long")
+@click.option("--older-than-days", type=float, help="Also drop state files unused this long")
 @click.option("--save", "save_cap", is_flag=True, help="Store --max-bytes as the cap")
 def cache_prune(max_bytes: str | None, older_than_days: float | None, save_cap: bool) -> None:
-    """Delete least-recently-used checkpoints beyond the byte cap."""
+    """Delete least-recently-used state files beyond the byte cap."""
     try:
-        cap = _home.parse_size(max_bytes) if max_bytes is not None else _home.checkpoint_cap()
+        cap = _home.parse_size(max_bytes) if max_bytes is not None else _home.prefix_store_cap()
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--max-bytes") from e
     if older_than_days is not None and older_than_days < 0:
@@ -189,26 +189,26 @@ def cache_prune(max_bytes: str | None, older_than_days: float | None, save_cap: 
     if save_cap:
         if max_bytes is None:
             raise click.UsageError("--save needs --max-bytes")
-        _home.save_settings({**_home.settings(), "checkpoint_max_bytes": cap})
+        _home.save_settings({**_home.settings(), _home.CAP_KEY: cap})
     store = _store()
     if store is None:
-        click.echo("no checkpoint store in this engine version; nothing to prune")
+        click.echo("no prefix store in this engine version; nothing to prune")
         return
     older = older_than_days * 86400 if older_than_days is not None else None
     removed = store.prune(max_bytes=cap, older_than=older)
-    click.echo(f"removed {len(removed)} checkpoints; {_home.format_size(store.disk_bytes())} kept")
+    click.echo(f"removed {len(removed)} state files; {_home.format_size(store.disk_bytes())} kept")
 
 
 @cache.command(name="clear")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask")
 def cache_clear(yes: bool) -> None:
-    """Delete every checkpoint."""
+    """Delete every state file."""
     store = _store()
     if store is None:
-        click.echo("no checkpoint store in this engine version; nothing to clear")
+        click.echo("no prefix store in this engine version; nothing to clear")
         return
     n = len([e for e in store.entries() if e.tier == "disk"])
     if n and not yes:
-        click.confirm(f"delete {n} checkpoints?", abort=True)
+        click.confirm(f"delete {n} state files?", abort=True)
     store.clear()
-    click.echo(f"removed {n} checkpoints")
+    click.echo(f"removed {n} state files")

@@ -28,7 +28,11 @@ DEFAULT_ALIAS = "qwen38"
 SETTINGS_FILE = "llm-plugin.json"
 LEGACY_REGISTRY = "registry.json"  # where plugin versions before the shared home kept it
 LEGACY_IMPORTED = "registry.json.imported"
-DEFAULT_CHECKPOINT_CAP = 20 * 1024**3  # bytes of prefix checkpoints kept (LRU beyond)
+DEFAULT_PREFIX_STORE_CAP = 20 * 1024**3  # bytes of state files kept (LRU beyond)
+CAP_ENV = "QWEN38_PREFIX_STORE_MAX_BYTES"
+OLD_CAP_ENV = "QWEN38_CHECKPOINT_MAX_BYTES"  # before the rename; still read, with a note
+CAP_KEY = "prefix_store_max_bytes"
+OLD_CAP_KEY = "checkpoint_max_bytes"  # settings written before the rename; still read
 
 
 def plugin_dir() -> Path:
@@ -92,8 +96,9 @@ def import_legacy(legacy: Path, home: Path) -> list[str]:
     return names
 
 
-def checkpoints_dir() -> Path:
-    """The plugin's prefix store (state files `llm -c` resumes from)."""
+def state_files_dir() -> Path:
+    """The plugin's prefix store (state files `llm -c` resumes from). The directory keeps its
+    name from before the rename to "state files", so files stored by earlier versions stay found."""
     return plugin_dir() / "checkpoints"
 
 
@@ -138,16 +143,29 @@ def save_settings(data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def checkpoint_cap() -> int:
-    """Byte cap of the prefix store: env QWEN38_CHECKPOINT_MAX_BYTES, settings, or default."""
-    env = os.environ.get("QWEN38_CHECKPOINT_MAX_BYTES")
+def prefix_store_cap() -> int:
+    """Byte cap of the prefix store: env QWEN38_PREFIX_STORE_MAX_BYTES, settings, or default."""
+    env = os.environ.get(CAP_ENV)
+    if not env and os.environ.get(OLD_CAP_ENV):
+        env = os.environ[OLD_CAP_ENV]
+        _note_once(f"qwen38: {OLD_CAP_ENV} is deprecated; set {CAP_ENV} instead")
     if env:
         try:
             return parse_size(env)
         except ValueError:
             pass
-    cap = settings().get("checkpoint_max_bytes")
-    return int(cap) if isinstance(cap, int) and cap >= 0 else DEFAULT_CHECKPOINT_CAP
+    saved = settings()
+    cap = saved.get(CAP_KEY, saved.get(OLD_CAP_KEY))
+    return int(cap) if isinstance(cap, int) and cap >= 0 else DEFAULT_PREFIX_STORE_CAP
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    if line not in _NOTED:
+        _NOTED.add(line)
+        sys.stderr.write(line + "\n")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2}

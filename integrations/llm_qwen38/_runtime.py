@@ -249,7 +249,7 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
         "finish_reason": stats.finish_reason if stats else None,
         "prompt_tokens": stats.prompt_tokens if stats else len(req.ids),
         "cached_tokens": stats.cached_tokens if stats else 0,
-        "checkpoint_error": _prefix.last_error() if cache else None,
+        "state_file_error": _prefix.last_error() if cache else None,
         "generated_tokens": stats.generated_tokens if stats else 0,
         "prefill_tokens_per_second": round(stats.prefill_tokens_per_second, 2) if stats else 0,
         "decode_tokens_per_second": round(stats.decode_tokens_per_second, 2) if stats else 0,

@@ -1,7 +1,7 @@
-"""Checkpoint files: bit-identical resume in a fresh process, refusals, atomic writes, rollback.
+"""State files: bit-identical resume in a fresh process, refusals, atomic writes, rollback.
 
-Run as a script (`python test_checkpoint.py child ...`) it is the fresh process of the resume
-tests: it loads the model, restores each checkpoint and writes the continuation logits.
+Run as a script (`python test_state_files.py child ...`) it is the fresh process of the resume
+tests: it loads the model, restores each state file and writes the continuation logits.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import dense_fixture  # noqa: E402
 
 import qwen38_backend  # noqa: E402
-from qwen38_backend import checkpoint as ckpt  # noqa: E402
-from qwen38_backend.errors import CheckpointError  # noqa: E402
+from qwen38_backend import state_files as sf  # noqa: E402
+from qwen38_backend.errors import StateFileError  # noqa: E402
 from qwen38_backend.sampling import SamplingParams  # noqa: E402
 from qwen38_backend.state import RewindError  # noqa: E402
 
@@ -47,7 +47,7 @@ def child(model_path: str, kv_json: str, ck_dir: str, out: str) -> None:
     got = {}
     for b, _ in CASES:
         state = model.new_state(**kv)
-        ckpt.restore_checkpoint(Path(ck_dir) / f"{b}{ckpt.SUFFIX}", model, state)
+        sf.restore_state_file(Path(ck_dir) / f"{b}{sf.SUFFIX}", model, state)
         got[f"tokens{b}"] = np.array(state.tokens)
         got[str(b)] = continue_logits(model, state)
     np.savez(out, **got)
@@ -87,7 +87,7 @@ def _resume_equality(model_path: Path, kv: dict, tmp_path: Path, prompt=PROMPT) 
     for b, chunk in CASES:
         state = model.new_state(**kv)
         model.prefill(prompt[:b], state, chunk=chunk)
-        info = ckpt.save_checkpoint(ck_dir / f"{b}{ckpt.SUFFIX}", state, model)
+        info = sf.save_state_file(ck_dir / f"{b}{sf.SUFFIX}", state, model)
         assert info.n_tokens == b
         expected[str(b)] = continue_logits(model, state)  # the run that never stopped
     out = tmp_path / "child.npz"
@@ -133,15 +133,15 @@ def test_resume_in_fresh_process_demo(demo_gguf, tmp_path):
 def test_file_holds_live_rows_and_header(dense_model, tmp_path):
     state = dense_model.new_state()
     dense_model.prefill(PROMPT[:13], state)  # the contiguous store has 256 rows allocated
-    path = tmp_path / f"a{ckpt.SUFFIX}"
-    info = ckpt.save_checkpoint(path, state, dense_model)
+    path = tmp_path / f"a{sf.SUFFIX}"
+    info = sf.save_state_file(path, state, dense_model)
     tensors = mx.load(str(path))  # a plain safetensors reader opens it
     cfg = dense_model.config
     for i in range(cfg.num_hidden_layers):
         assert tensors[f"layers.{i}.keys"].shape == (1, cfg.num_key_value_heads, 13, cfg.head_dim)
-    header = ckpt.read_header(path)
+    header = sf.read_header(path)
     assert header.tokens == PROMPT[:13] and header.n_tokens == 13
-    assert header.model_fingerprint == ckpt.model_fingerprint(dense_model)
+    assert header.model_fingerprint == sf.model_fingerprint(dense_model)
     assert header.kinds == ["ContiguousKV/v1"] * cfg.num_hidden_layers
     assert info.nbytes == path.stat().st_size
     live = sum(t.nbytes for t in tensors.values())
@@ -152,8 +152,8 @@ def test_file_holds_live_rows_and_header(dense_model, tmp_path):
 def _saved(model, tmp_path, n=13) -> Path:
     state = model.new_state()
     model.prefill(PROMPT[:n], state)
-    path = tmp_path / f"c{n}{ckpt.SUFFIX}"
-    ckpt.save_checkpoint(path, state, model)
+    path = tmp_path / f"c{n}{sf.SUFFIX}"
+    sf.save_state_file(path, state, model)
     return path
 
 
@@ -162,8 +162,8 @@ def test_corrupt_tensor_bytes_refused(dense_model, tmp_path):
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x40  # one bit in the last tensor's data
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="fails its checksum"):
-        ckpt.load_checkpoint(path, dense_model)
+    with pytest.raises(StateFileError, match="fails its checksum"):
+        sf.read_state_file(path, dense_model)
 
 
 def test_corrupt_header_refused(dense_model, tmp_path):
@@ -172,58 +172,58 @@ def test_corrupt_header_refused(dense_model, tmp_path):
     i = data.index(b'"n_tokens')
     data = data[:i] + data[i:].replace(b"13", b"12", 1)  # a plausible but wrong header value
     path.write_bytes(data)
-    with pytest.raises(CheckpointError, match="header checksum mismatch"):
-        ckpt.load_checkpoint(path, dense_model)
+    with pytest.raises(StateFileError, match="header checksum mismatch"):
+        sf.read_state_file(path, dense_model)
 
 
 def test_truncated_refused(dense_model, tmp_path):
     path = _saved(dense_model, tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match="truncated"):
-        ckpt.load_checkpoint(path, dense_model)
+    with pytest.raises(StateFileError, match="truncated"):
+        sf.read_state_file(path, dense_model)
     path.write_bytes(data[:5])
-    with pytest.raises(CheckpointError, match="truncated"):
-        ckpt.load_checkpoint(path, dense_model)
+    with pytest.raises(StateFileError, match="truncated"):
+        sf.read_state_file(path, dense_model)
     path.write_bytes(b"")
-    with pytest.raises(CheckpointError, match="truncated"):
-        ckpt.load_checkpoint(path, dense_model)
+    with pytest.raises(StateFileError, match="truncated"):
+        sf.read_state_file(path, dense_model)
 
 
 def test_wrong_model_refused(dense_model, tmp_path):
     other = qwen38_backend.load(str(dense_fixture("qwen2", tmp_path / "m")))
     path = _saved(other, tmp_path)
-    with pytest.raises(CheckpointError, match="different model"):
-        ckpt.load_checkpoint(path, dense_model)
+    with pytest.raises(StateFileError, match="different model"):
+        sf.read_state_file(path, dense_model)
     # same architecture, one weight changed: the content sample catches it
-    fp = ckpt.model_fingerprint(dense_model.net)
+    fp = sf.model_fingerprint(dense_model.net)
     w = dense_model.net.model.norm.weight
     dense_model.net.model.norm.weight = w + 1
     try:
-        assert ckpt.model_fingerprint(dense_model.net) != fp
+        assert sf.model_fingerprint(dense_model.net) != fp
     finally:
         dense_model.net.model.norm.weight = w
 
 
 def test_wrong_version_refused(dense_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "FORMAT_VERSION", 2)  # as written by a future build
+    monkeypatch.setattr(sf, "FORMAT_VERSION", 2)  # as written by a future build
     path = _saved(dense_model, tmp_path)
-    monkeypatch.setattr(ckpt, "FORMAT_VERSION", 1)
-    with pytest.raises(CheckpointError, match="format version 2; this build reads version 1"):
-        ckpt.load_checkpoint(path, dense_model)
+    monkeypatch.setattr(sf, "FORMAT_VERSION", 1)
+    with pytest.raises(StateFileError, match="format version 2; this build reads version 1"):
+        sf.read_state_file(path, dense_model)
 
 
 def test_wrong_state_layout_refused(dense_model, tmp_path):
     path = _saved(dense_model, tmp_path)
     paged = dense_model.new_state(kv_paged="on", kv_page_tokens=8)
-    with pytest.raises(CheckpointError, match="layer 0 holds ContiguousKV/v1 state"):
-        ckpt.restore_checkpoint(path, dense_model, paged)
+    with pytest.raises(StateFileError, match="layer 0 holds ContiguousKV/v1 state"):
+        sf.restore_state_file(path, dense_model, paged)
     assert paged.offset == 0  # untouched
 
 
-def test_not_a_checkpoint_refused(dense_model, dense_dir):
-    with pytest.raises(CheckpointError, match="not a qwen38 checkpoint"):
-        ckpt.load_checkpoint(dense_dir / "model.safetensors", dense_model)
+def test_not_a_state_file_refused(dense_model, dense_dir):
+    with pytest.raises(StateFileError, match="not a qwen38 state file"):
+        sf.read_state_file(dense_dir / "model.safetensors", dense_model)
 
 
 # ----- atomic writes ----------------------------------------------------------------------------
@@ -240,14 +240,14 @@ def test_disk_full_leaves_no_file(dense_model, tmp_path, monkeypatch):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", full_disk)
-    target = tmp_path / "store" / f"x{ckpt.SUFFIX}"
-    with pytest.raises(CheckpointError, match="No space left on device"):
-        ckpt.save_checkpoint(target, state, dense_model)
+    target = tmp_path / "store" / f"x{sf.SUFFIX}"
+    with pytest.raises(StateFileError, match="No space left on device"):
+        sf.save_state_file(target, state, dense_model)
     assert calls["n"] == 3
     assert list(target.parent.iterdir()) == []  # no partial file, no temp file
     monkeypatch.setattr(os, "write", real_write)
-    ckpt.save_checkpoint(target, state, dense_model)  # and the next write works
-    assert ckpt.load_checkpoint(target, dense_model).tokens == PROMPT
+    sf.save_state_file(target, state, dense_model)  # and the next write works
+    assert sf.read_state_file(target, dense_model).tokens == PROMPT
 
 
 def test_overwrite_is_atomic(dense_model, tmp_path, monkeypatch):
@@ -260,8 +260,8 @@ def test_overwrite_is_atomic(dense_model, tmp_path, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
-    with pytest.raises(CheckpointError, match="Input/output error"):
-        ckpt.save_checkpoint(path, state, dense_model)
+    with pytest.raises(StateFileError, match="Input/output error"):
+        sf.save_state_file(path, state, dense_model)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 

@@ -1,7 +1,7 @@
-"""On-disk checkpoints of a SequenceState: safetensors tensors plus a verified JSON header.
+"""State files: a SequenceState saved on disk, safetensors tensors plus a verified JSON header.
 
 File layout: a valid safetensors file (8-byte header length, JSON table, tensor bytes), so
-any safetensors reader can open it. The checkpoint's own header travels in the table's
+any safetensors reader can open it. The state file's own header travels in the table's
 `__metadata__` under "qwen38_checkpoint" (a JSON string): format name and version, model
 fingerprint, compute dtype, token ids, per-layer state kinds, JSON extras, and for every
 tensor its dtype, shape, byte count and sha256, plus a sha256 of the header itself.
@@ -29,9 +29,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .errors import CheckpointError
+from .errors import StateFileError
 from .state import SequenceState, StateSnapshot
 
+# On-disk names kept from before the rename to "state file", so existing files stay readable.
 FORMAT = "qwen38-checkpoint"
 FORMAT_VERSION = 1
 META_KEY = "qwen38_checkpoint"
@@ -63,7 +64,7 @@ def model_fingerprint(model: Any) -> str:
 
     Covers the config, every parameter's name, shape and dtype (so the compute dtype and the
     quantization are in it), and a cheap content sample: the first and last 8 values of every
-    parameter, so two checkpoints with equal shapes but different weights differ. Accepts an
+    parameter, so two models with equal shapes but different weights differ. Accepts an
     engine `Model` (cached on it) or a bare network module.
     """
     cached = getattr(model, "_qwen38_fingerprint", None)
@@ -106,7 +107,7 @@ def _dtype_name(model: Any) -> str:
 # ----- bytes of arrays ------------------------------------------------------------------------
 def _raw_bytes(a: mx.array) -> bytes | memoryview:
     if a.dtype not in _DTYPES:
-        raise CheckpointError(f"cannot store an array of dtype {a.dtype} in a checkpoint")
+        raise StateFileError(f"cannot store an array of dtype {a.dtype} in a state file")
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     arr = np.ascontiguousarray(np.asarray(a))
@@ -122,8 +123,8 @@ def _from_bytes(data: bytes, st_dtype: str, shape: list[int]) -> mx.array:
 
 # ----- write ----------------------------------------------------------------------------------
 @dataclass
-class CheckpointInfo:
-    """What a checkpoint file holds (from its header; nothing is loaded)."""
+class StateFileInfo:
+    """What a state file holds (from its header; nothing is loaded)."""
 
     path: Path
     model_fingerprint: str
@@ -165,12 +166,12 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[n:]
 
 
-def save_checkpoint(
+def save_state_file(
     path: str | Path, state: SequenceState | StateSnapshot, model: Any
-) -> CheckpointInfo:
+) -> StateFileInfo:
     """Write `state` (or a snapshot of it) to `path` atomically; returns the header info.
 
-    Raises CheckpointError (with the OS reason, e.g. "No space left on device") when the file
+    Raises StateFileError (with the OS reason, e.g. "No space left on device") when the file
     cannot be written; the destination is then untouched and no temp file is left behind.
     """
     path = Path(path)
@@ -185,7 +186,7 @@ def save_checkpoint(
         a = tensors[name]
         st_name = _DTYPES.get(a.dtype, (None,))[0]
         if st_name is None:
-            raise CheckpointError(f"tensor {name}: dtype {a.dtype} cannot be stored")
+            raise StateFileError(f"tensor {name}: dtype {a.dtype} cannot be stored")
         raw = _raw_bytes(a)
         n = len(raw)
         table[name] = {
@@ -238,8 +239,8 @@ def save_checkpoint(
             os.close(fd)
         tmp.unlink(missing_ok=True)
         reason = e.strerror or str(e)
-        raise CheckpointError(f"could not write checkpoint {path}: {reason}") from e
-    return CheckpointInfo(
+        raise StateFileError(f"could not write state file {path}: {reason}") from e
+    return StateFileInfo(
         path=path,
         model_fingerprint=meta["model_fingerprint"],
         n_tokens=meta["n_tokens"],
@@ -271,44 +272,44 @@ def _header_digest(meta: dict[str, Any]) -> str:
 
 # ----- read -----------------------------------------------------------------------------------
 def _read_table(f, path: Path, size: int) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(safetensors table, checkpoint meta, data start), all checked for consistency."""
+    """(safetensors table, state-file meta, data start), all checked for consistency."""
     if size < 8:
-        raise CheckpointError(f"checkpoint {path} is truncated: {size} bytes, no header")
+        raise StateFileError(f"state file {path} is truncated: {size} bytes, no header")
     (hlen,) = struct.unpack("<Q", f.read(8))
     if hlen > _MAX_HEADER or 8 + hlen > size:
-        raise CheckpointError(
-            f"checkpoint {path} is truncated or corrupt: header of {hlen} bytes in a "
+        raise StateFileError(
+            f"state file {path} is truncated or corrupt: header of {hlen} bytes in a "
             f"{size}-byte file"
         )
     try:
         table = json.loads(f.read(hlen))
         meta = json.loads(table["__metadata__"][META_KEY])
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"{path} is not a qwen38 checkpoint or its header is corrupt ({e})"
+        raise StateFileError(
+            f"{path} is not a qwen38 state file or its header is corrupt ({e})"
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a qwen38 checkpoint (format {meta.get('format')!r})")
+        raise StateFileError(f"{path} is not a qwen38 state file (format {meta.get('format')!r})")
     if meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {meta.get('version')!r}; this build reads "
+        raise StateFileError(
+            f"state file {path} has format version {meta.get('version')!r}; this build reads "
             f"version {FORMAT_VERSION} (delete it or re-create it with this version)"
         )
     if meta.get("header_sha256") != _header_digest(meta):
-        raise CheckpointError(f"checkpoint {path}: header checksum mismatch (corrupt header)")
+        raise StateFileError(f"state file {path}: header checksum mismatch (corrupt header)")
     return table, meta, 8 + hlen
 
 
-def read_header(path: str | Path) -> CheckpointInfo:
-    """Header info of a checkpoint file (verified header; tensors not read)."""
+def read_header(path: str | Path) -> StateFileInfo:
+    """Header info of a state file (verified header; tensors not read)."""
     path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             _, meta, _ = _read_table(f, path, size)
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from e
-    return CheckpointInfo(
+        raise StateFileError(f"cannot read state file {path}: {e.strerror or e}") from e
+    return StateFileInfo(
         path=path,
         model_fingerprint=meta["model_fingerprint"],
         n_tokens=int(meta["n_tokens"]),
@@ -320,10 +321,10 @@ def read_header(path: str | Path) -> CheckpointInfo:
     )
 
 
-def load_checkpoint(path: str | Path, model: Any) -> StateSnapshot:
-    """Read and verify a checkpoint for `model`; returns a snapshot ready for restore().
+def read_state_file(path: str | Path, model: Any) -> StateSnapshot:
+    """Read and verify a state file for `model`; returns a snapshot ready for restore().
 
-    Refuses (CheckpointError, saying which check failed) a file that is truncated, corrupt
+    Refuses (StateFileError, saying which check failed) a file that is truncated, corrupt
     (any tensor's bytes or the header), from another format version, or written by another
     model or compute dtype. Nothing is restored here, so a refusal cannot damage a session.
     """
@@ -332,28 +333,28 @@ def load_checkpoint(path: str | Path, model: Any) -> StateSnapshot:
         size = path.stat().st_size
         f = open(path, "rb")
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from e
+        raise StateFileError(f"cannot read state file {path}: {e.strerror or e}") from e
     with f:
         table, meta, start = _read_table(f, path, size)
         want = model_fingerprint(model)
         if meta["model_fingerprint"] != want:
-            raise CheckpointError(
-                f"checkpoint {path} was written by a different model (fingerprint "
+            raise StateFileError(
+                f"state file {path} was written by a different model (fingerprint "
                 f"{meta['model_fingerprint'][:16]}..., this model {want[:16]}...)"
             )
         if meta.get("dtype") != _dtype_name(model):
-            raise CheckpointError(
-                f"checkpoint {path} holds {meta.get('dtype')} state; this model computes in "
+            raise StateFileError(
+                f"state file {path} holds {meta.get('dtype')} state; this model computes in "
                 f"{_dtype_name(model)}"
             )
         entries: dict[str, Any] = meta["tensors"]
         names = sorted(k for k in table if k != "__metadata__")
         if names != sorted(entries):
-            raise CheckpointError(f"checkpoint {path}: tensor table and header disagree")
+            raise StateFileError(f"state file {path}: tensor table and header disagree")
         expected_end = start + sum(int(e["nbytes"]) for e in entries.values())
         if size != expected_end:
-            raise CheckpointError(
-                f"checkpoint {path} is truncated or padded: {size} bytes, header describes "
+            raise StateFileError(
+                f"state file {path} is truncated or padded: {size} bytes, header describes "
                 f"{expected_end}"
             )
         tensors: dict[str, mx.array] = {}
@@ -367,19 +368,19 @@ def load_checkpoint(path: str | Path, model: Any) -> StateSnapshot:
                 or slot["shape"] != entry["shape"]
                 or entry["dtype"] not in _BY_NAME
             ):
-                raise CheckpointError(f"checkpoint {path}: tensor {name} header is inconsistent")
+                raise StateFileError(f"state file {path}: tensor {name} header is inconsistent")
             f.seek(start + begin)
             data = f.read(n)
             if len(data) != n:
-                raise CheckpointError(f"checkpoint {path} is truncated inside tensor {name}")
+                raise StateFileError(f"state file {path} is truncated inside tensor {name}")
             if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint {path}: tensor {name} fails its checksum (corrupt data)"
+                raise StateFileError(
+                    f"state file {path}: tensor {name} fails its checksum (corrupt data)"
                 )
             try:
                 tensors[name] = _from_bytes(data, entry["dtype"], entry["shape"])
             except ValueError as e:
-                raise CheckpointError(f"checkpoint {path}: tensor {name}: {e}") from None
+                raise StateFileError(f"state file {path}: tensor {name}: {e}") from None
     n_layers = int(meta["n_layers"])
     layers: list[dict[str, mx.array]] = [{} for _ in range(n_layers)]
     extras: dict[str, Any] = dict(meta.get("extras") or {})
@@ -389,32 +390,32 @@ def load_checkpoint(path: str | Path, model: Any) -> StateSnapshot:
             continue
         _, index, key = name.split(".", 2)
         if not 0 <= int(index) < n_layers:
-            raise CheckpointError(f"checkpoint {path}: tensor {name} names a missing layer")
+            raise StateFileError(f"state file {path}: tensor {name} names a missing layer")
         layers[int(index)][key] = value
     tokens = [int(t) for t in meta["tokens"]]
     if len(tokens) != int(meta["n_tokens"]):
-        raise CheckpointError(f"checkpoint {path}: token count disagrees with its header")
+        raise StateFileError(f"state file {path}: token count disagrees with its header")
     return StateSnapshot(tokens=tokens, layers=layers, extras=extras, kinds=meta.get("kinds"))
 
 
-def check_compatible(snap: StateSnapshot, state: SequenceState, where: str = "checkpoint") -> None:
+def check_compatible(snap: StateSnapshot, state: SequenceState, where: str = "state file") -> None:
     """Refuse a snapshot whose layers do not match `state` (layer count and state kinds)."""
     if len(snap.layers) != len(state.layers):
-        raise CheckpointError(
+        raise StateFileError(
             f"{where} has {len(snap.layers)} layers; this model's state has {len(state.layers)}"
         )
     kinds = state.kinds()
     if snap.kinds is not None and list(snap.kinds) != kinds:
         bad = next(i for i, (a, b) in enumerate(zip(snap.kinds, kinds, strict=False)) if a != b)
-        raise CheckpointError(
+        raise StateFileError(
             f"{where}: layer {bad} holds {snap.kinds[bad]} state; this session uses {kinds[bad]} "
             "(different state format or KV options)"
         )
 
 
-def restore_checkpoint(path: str | Path, model: Any, state: SequenceState) -> StateSnapshot:
+def restore_state_file(path: str | Path, model: Any, state: SequenceState) -> StateSnapshot:
     """Load, verify, then restore into `state` (restored only once every check passed)."""
-    snap = load_checkpoint(path, model)
-    check_compatible(snap, state, f"checkpoint {path}")
+    snap = read_state_file(path, model)
+    check_compatible(snap, state, f"state file {path}")
     state.restore(snap)
     return snap
