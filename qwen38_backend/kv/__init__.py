@@ -63,7 +63,7 @@ class KVFactory:
         pages = c.pool_pages()
         return PagedKV(
             page_tokens=c.page_tokens,
-            topk=c.topk,
+            budget=c.budget,
             sinks=c.sinks,
             recent=c.recent,
             mode=c.mode,

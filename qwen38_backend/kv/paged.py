@@ -51,7 +51,7 @@ class PagedKV:
     def __init__(
         self,
         page_tokens: int = 32,
-        topk: int = 2048,
+        budget: int = 2048,
         sinks: int = 32,
         recent: int = 64,
         mode: str = "on",
@@ -70,7 +70,7 @@ class PagedKV:
         self.table = PageTable(self.pool, spill.region() if spill is not None else None)
         self._behind_at = 0  # n_sealed when write-behind last looked
         P = page_tokens
-        self.budget_pages = -(-topk // P)  # token budget rounded up to whole pages
+        self.budget_pages = -(-budget // P)  # token budget rounded up to whole pages
         self.sink_pages = -(-sinks // P)
         self.recent_pages = -(-recent // P)  # sealed pages before the last (open) one
         self.mode = mode

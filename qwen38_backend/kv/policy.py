@@ -42,7 +42,7 @@ class KVChoice:
     paged: bool
     mode: str  # "off", "on" (Quest whenever the budget is below the context) or "auto"
     page_tokens: int
-    topk: int
+    budget: int  # kv_topk: tokens a sparse step may read (sinks and recent window included)
     sinks: int
     recent: int
     pool_tokens: int | None  # resident rows per attention layer; None: auto from RAM
@@ -103,7 +103,7 @@ def choose_kv(**options) -> KVChoice:
         paged=paged != "off",
         mode=paged,
         page_tokens=sized["kv_page_tokens"],
-        topk=sized["kv_topk"],
+        budget=sized["kv_topk"],
         sinks=sized["kv_sinks"],
         recent=sized["kv_recent"],
         pool_tokens=pool_tokens,
