@@ -25,9 +25,9 @@ def factory(mode: str, budget: int | None, page_tokens: int, sinks: int, recent:
     """'dense' = the contiguous store; 'paged' = paged, everything selected; 'quest' = budget."""
     if mode == "dense":
         return ContiguousKV
-    topk = 1 << 40 if mode == "paged" else int(budget)
+    tokens = 1 << 40 if mode == "paged" else int(budget)
     return functools.partial(
-        PagedKV, page_tokens=page_tokens, topk=topk, sinks=sinks, recent=recent
+        PagedKV, page_tokens=page_tokens, budget=tokens, sinks=sinks, recent=recent
     )
 
 

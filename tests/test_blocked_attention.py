@@ -75,7 +75,7 @@ def chunked_logits(net, ids, factory, chunk):
 def shared_pool_factory():
     # Every layer's store on one pool: layers take turns, so no page table is identity-mapped.
     pool = PagePool(8)
-    return lambda: PagedKV(page_tokens=8, topk=10**6, pool=pool)
+    return lambda: PagedKV(page_tokens=8, budget=10**6, pool=pool)
 
 
 def check_blocked_prefill(net, monkeypatch, n=150, chunk=40, block=16):
@@ -83,7 +83,7 @@ def check_blocked_prefill(net, monkeypatch, n=150, chunk=40, block=16):
     one_shot = chunked_logits(net, ids, ContiguousKV, n)
     makers = {
         "contiguous": lambda: ContiguousKV,
-        "paged": lambda: functools.partial(PagedKV, page_tokens=8, topk=10**6),
+        "paged": lambda: functools.partial(PagedKV, page_tokens=8, budget=10**6),
         "paged, not identity": shared_pool_factory,
     }
     for name, maker in makers.items():

@@ -46,7 +46,7 @@ def nets(tmp_path):
     yield "qwen3_5", tiny_qwen3_5(tmp_path)
 
 
-@pytest.mark.parametrize("factory", [ContiguousKV, lambda: PagedKV(page_tokens=8, topk=24)])
+@pytest.mark.parametrize("factory", [ContiguousKV, lambda: PagedKV(page_tokens=8, budget=24)])
 def test_compiled_step_equals_op_by_op(tmp_path, op_by_op, factory):
     """Contiguous store, and the paged one with a Quest budget (sparse from 24 tokens)."""
     ids = prompt(50, 256, seed=1)

@@ -53,8 +53,8 @@ def net_greedy(net, ids: list[int], factory, n: int = N_TOKENS, chunk: int = 24)
     return out
 
 
-FULL = functools.partial(PagedKV, page_tokens=P, topk=10**6)
-FULL_GATHER = functools.partial(PagedKV, page_tokens=P, topk=10**6, always_select=True)
+FULL = functools.partial(PagedKV, page_tokens=P, budget=10**6)
+FULL_GATHER = functools.partial(PagedKV, page_tokens=P, budget=10**6, always_select=True)
 
 
 @pytest.mark.parametrize("arch", DENSE_ARCHS)
@@ -150,7 +150,7 @@ def reference_attention(q, keys, values, pages_per_head, length, page, scale):
 def test_sparse_decode_attends_over_each_heads_own_pages():
     differs = False
     for seed in range(6):
-        store, keys, values = filled_store(seed=seed, topk=12, sinks=4, recent=4)
+        store, keys, values = filled_store(seed=seed, budget=12, sinks=4, recent=4)
         rng = np.random.default_rng(100 + seed)
         k_new = rng.normal(size=(2, 1, 8)).astype(np.float32)
         v_new = rng.normal(size=(2, 1, 8)).astype(np.float32)
@@ -168,7 +168,7 @@ def test_sparse_decode_attends_over_each_heads_own_pages():
         ref = reference_attention(q, keys, values, pages, 38, 4, 0.3)
         np.testing.assert_allclose(np.array(out)[0, :, 0], ref, rtol=1e-5, atol=1e-5)
     for seed in range(6):
-        store, keys, values = filled_store(seed=seed, length=40, topk=16, sinks=4, recent=0)
+        store, keys, values = filled_store(seed=seed, length=40, budget=16, sinks=4, recent=0)
         q = np.random.default_rng(seed).normal(size=(6, 8)).astype(np.float32) * 4
         out = store.attend(
             mx.array(q)[None, :, None],
@@ -258,10 +258,10 @@ def test_session_rewind_reuses_paged_state(tmp_path):
 
 
 # ----- memory ------------------------------------------------------------------------------
-@pytest.mark.parametrize("topk", [512, 10**6])
-def test_pool_bytes_and_flat_peak_memory(topk):
+@pytest.mark.parametrize("budget", [512, 10**6])
+def test_pool_bytes_and_flat_peak_memory(budget):
     hkv, d, length, group = 4, 64, 4096, 2
-    store = PagedKV(page_tokens=32, topk=topk)
+    store = PagedKV(page_tokens=32, budget=budget)
     rng = np.random.default_rng(0)
     rows = mx.array(rng.normal(size=(hkv, length, d)).astype(np.float32))
     store.pool.reserve(length // 32 + 8, rows, rows)  # no growth inside the measured steps
@@ -327,12 +327,12 @@ def test_factory_kinds():
 
 def test_auto_is_dense_below_its_threshold():
     store, *_ = filled_store(
-        length=100, page=4, topk=8, mode="auto", sinks=4, recent=4
+        length=100, page=4, budget=8, mode="auto", sinks=4, recent=4
     )  # sparse from 32
     assert store.selection_size() == (25, 3)
-    small, *_ = filled_store(length=20, page=4, topk=8, mode="auto", sinks=4, recent=4)
+    small, *_ = filled_store(length=20, page=4, budget=8, mode="auto", sinks=4, recent=4)
     assert small.selection_size() == (5, 5)
-    on, *_ = filled_store(length=20, page=4, topk=8, mode="on", sinks=4, recent=4)
+    on, *_ = filled_store(length=20, page=4, budget=8, mode="on", sinks=4, recent=4)
     assert on.selection_size() == (5, 3)
 
 

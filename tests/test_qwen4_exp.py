@@ -141,7 +141,7 @@ def test_qsa_selection_matches_reference_where_no_ties(model, n, monkeypatch):
     assert sparse >= 20 and compared >= 2 * n - 10  # the test must exercise real selections
 
 
-def test_topk_ties_take_lower_block_ids():
+def test_top_blocks_ties_take_lower_block_ids():
     scores = mx.array(
         [
             [1.0, 3.0, 3.0, 0.0, 3.0, 2.0],
@@ -150,10 +150,10 @@ def test_topk_ties_take_lower_block_ids():
             [0.5, 0.1, 0.9, 0.9, 0.2, 0.3],
         ]
     )
-    got = np.array(qsa.topk_blocks(scores, 2))
+    got = np.array(qsa.top_blocks(scores, 2))
     golden = [[1, 2], [0, 4], [0, 1], [2, 3]]
     assert [list(np.nonzero(r)[0]) for r in got] == golden
-    got4 = np.array(qsa.topk_blocks(scores, 4))
+    got4 = np.array(qsa.top_blocks(scores, 4))
     assert [list(np.nonzero(r)[0]) for r in got4] == [
         [1, 2, 4, 5],
         [0, 1, 2, 4],

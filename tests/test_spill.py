@@ -44,10 +44,10 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(10, vocab - 10, n).tolist()
 
 
-def factory(spill_dir, topk=10**6, pool_pages=12):
+def factory(spill_dir, budget=10**6, pool_pages=12):
     spill = SpillFile(spill_dir) if pool_pages else None
     return lambda: PagedKV(
-        page_tokens=P, topk=topk, sinks=P, recent=P, pool_pages=pool_pages, spill=spill
+        page_tokens=P, budget=budget, sinks=P, recent=P, pool_pages=pool_pages, spill=spill
     )
 
 
@@ -134,9 +134,9 @@ def test_store_spills_and_reads_back(tmp_path):
 
 def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path):
     k, v = rows(120, seed=1)
-    spilled = PagedKV(page_tokens=P, topk=4 * P, sinks=P, recent=P, pool_pages=8,
+    spilled = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, pool_pages=8,
                       spill=SpillFile(tmp_path))  # fmt: skip
-    resident = PagedKV(page_tokens=P, topk=4 * P, sinks=P, recent=P)
+    resident = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P)
     fill(spilled, k, v)
     fill(resident, k, v)
     rng = np.random.default_rng(5)
@@ -155,7 +155,7 @@ def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path):
 
 def test_selection_larger_than_the_pool_is_refused(tmp_path):
     k, v = rows(200, seed=2)
-    store = PagedKV(page_tokens=P, topk=12 * P, sinks=P, recent=P, pool_pages=6,
+    store = PagedKV(page_tokens=P, budget=12 * P, sinks=P, recent=P, pool_pages=6,
                     spill=SpillFile(tmp_path))  # fmt: skip
     fill(store, k, v)
     q = mx.ones((1, 4, 1, 8))
@@ -165,11 +165,11 @@ def test_selection_larger_than_the_pool_is_refused(tmp_path):
 
 
 # ----- models: same tokens as all-resident, with pages really spilled and fetched ---------
-@pytest.mark.parametrize("topk", [10**6, 4 * P])
-def test_dense_model_spilled_equals_resident(dense, tmp_path, topk):
+@pytest.mark.parametrize("budget", [10**6, 4 * P])
+def test_dense_model_spilled_equals_resident(dense, tmp_path, budget):
     ids = prompt(150, dense.config.vocab_size)
-    ref, _ = greedy(dense.net, ids, factory(None, topk, pool_pages=None))
-    out, state = greedy(dense.net, ids, factory(tmp_path, topk, pool_pages=12))
+    ref, _ = greedy(dense.net, ids, factory(None, budget, pool_pages=None))
+    out, state = greedy(dense.net, ids, factory(tmp_path, budget, pool_pages=12))
     assert out == ref
     kv = collect_kv_stats(state)
     layers = dense.config.num_hidden_layers
@@ -181,10 +181,10 @@ def test_dense_model_spilled_equals_resident(dense, tmp_path, topk):
 
 def test_hybrid_model_spilled_equals_resident(hybrid, tmp_path):
     ids = prompt(120, hybrid.config.vocab_size, seed=3)
-    for topk in (10**6, 4 * P):
-        ref, _ = greedy(hybrid.net, ids, factory(None, topk, pool_pages=None), n=20)
-        out, state = greedy(hybrid.net, ids, factory(tmp_path, topk, pool_pages=10), n=20)
-        assert out == ref, topk
+    for budget in (10**6, 4 * P):
+        ref, _ = greedy(hybrid.net, ids, factory(None, budget, pool_pages=None), n=20)
+        out, state = greedy(hybrid.net, ids, factory(tmp_path, budget, pool_pages=10), n=20)
+        assert out == ref, budget
         kv = collect_kv_stats(state)
         assert kv["pages_spilled"] > 0 and kv["pages_fetched"] > 0
 

@@ -3,8 +3,9 @@
 Selection (QWEN38.md, "QSA"): raw indexer keys are cached per token; every complete block of
 `ratio` tokens gets a pooled key (fp32 mean of its raw keys, cast, zero-centred norm, RoPE at
 the block's first position). Query p sees nvis = (p + 1) // ratio complete blocks: all of them
-while nvis <= topk (dense), else the topk best by sum_h relu(q_h . k_b) / sqrt(d) in fp32, ties
-to the LOWER block id; plus the causal tail 4 * nvis .. p. The functions here are pure so a
+while nvis <= n_blocks (budget // ratio: dense), else the n_blocks best by
+sum_h relu(q_h . k_b) / sqrt(d) in fp32, ties to the LOWER block id;
+plus the causal tail 4 * nvis .. p. The functions here are pure so a
 paged store can call them; `QSAState` keeps the indexer tensors beside a KV store.
 """
 
@@ -47,28 +48,29 @@ def block_scores(qi: mx.array, kb: mx.array) -> mx.array:
     return mx.maximum(s, 0.0).sum(axis=1) / math.sqrt(qi.shape[-1])
 
 
-def topk_blocks(scores: mx.array, k: int) -> mx.array:
-    """Boolean [T, NB]: the k highest per row, ties broken towards the lower block id.
+def top_blocks(scores: mx.array, n_blocks: int) -> mx.array:
+    """Boolean [T, NB]: the n_blocks highest per row, ties broken towards the lower block id.
 
-    Exact without a stable sort: everything strictly above the k-th value, then the first
-    (lowest-id) entries equal to it until k are taken. Rows need at least k finite scores.
+    Exact without a stable sort: everything strictly above the n_blocks-th value, then the
+    first (lowest-id) entries equal to it until n_blocks are taken. Rows need at least n_blocks
+    finite scores.
     """
-    kth = mx.topk(scores, k, axis=-1).min(axis=-1, keepdims=True)
+    kth = mx.topk(scores, n_blocks, axis=-1).min(axis=-1, keepdims=True)
     above = scores > kth
     tie = scores == kth
-    need = k - above.astype(mx.int32).sum(axis=-1, keepdims=True)
+    need = n_blocks - above.astype(mx.int32).sum(axis=-1, keepdims=True)
     return above | (tie & (mx.cumsum(tie.astype(mx.int32), axis=-1) <= need))
 
 
-def select_blocks(scores: mx.array, positions: mx.array, ratio: int, k: int) -> mx.array:
-    """Boolean [T, NB] of the blocks query p uses (all visible ones when nvis <= k)."""
+def select_blocks(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int) -> mx.array:
+    """Boolean [T, NB] of the blocks query p uses (all visible ones when nvis <= n_blocks)."""
     nb = scores.shape[-1]
     nvis = (positions + 1) // ratio  # [T]
     visible = mx.arange(nb)[None, :] < nvis[:, None]
-    if nb <= k:
+    if nb <= n_blocks:
         return visible
-    chosen = topk_blocks(mx.where(visible, scores, -mx.inf), k)
-    return mx.where((nvis <= k)[:, None], visible, chosen & visible)
+    chosen = top_blocks(mx.where(visible, scores, -mx.inf), n_blocks)
+    return mx.where((nvis <= n_blocks)[:, None], visible, chosen & visible)
 
 
 def token_mask(blocks: mx.array, positions: mx.array, ratio: int, length: int) -> mx.array:
@@ -83,12 +85,12 @@ def token_mask(blocks: mx.array, positions: mx.array, ratio: int, length: int) -
     return tok | ((j >= start) & (j <= positions[:, None]))
 
 
-def token_indices(chosen: mx.array, position: int, ratio: int, k: int) -> mx.array:
-    """One query's token ids (decode): chosen [NB] boolean with k True, then the tail."""
+def token_indices(chosen: mx.array, position: int, ratio: int, n_blocks: int) -> mx.array:
+    """One query's token ids (decode): chosen [NB] boolean with n_blocks True, then the tail."""
     nvis = (position + 1) // ratio
-    if nvis <= k:
+    if nvis <= n_blocks:
         return mx.arange(position + 1)
-    blocks = mx.argpartition(1 - chosen.astype(mx.int32), kth=k - 1)[:k]
+    blocks = mx.argpartition(1 - chosen.astype(mx.int32), kth=n_blocks - 1)[:n_blocks]
     toks = (blocks[:, None].astype(mx.int32) * ratio + mx.arange(ratio)[None, :]).reshape(-1)
     tail = mx.arange(nvis * ratio, position + 1)
     return mx.concatenate([toks, tail]) if tail.size else toks
@@ -216,7 +218,7 @@ class QSAAttention(Attention):
             output_gate=True,
         )
         self.indexer = Indexer(hidden, index_heads, index_dim, eps)
-        self.ratio, self.topk = ratio, budget // ratio
+        self.ratio, self.n_blocks = ratio, budget // ratio  # blocks a query may select
 
     def index(self, x: mx.array, st: QSAState, offset: int) -> tuple[mx.array, mx.array]:
         """Cache raw keys and new pooled blocks; return (roped queries [T, Hi, D], positions)."""
@@ -241,10 +243,10 @@ class QSAAttention(Attention):
         """(chosen blocks [T, NB], positions [T]), or None when every query is dense."""
         qi, positions = self.index(x, st, offset)
         T = x.shape[0]
-        if (offset + T) // self.ratio <= self.topk:
+        if (offset + T) // self.ratio <= self.n_blocks:
             return None
         scores = block_scores(qi, st.blocks())
-        return select_blocks(scores, positions, self.ratio, self.topk), positions
+        return select_blocks(scores, positions, self.ratio, self.n_blocks), positions
 
     def __call__(self, x: mx.array, st: QSAState, offset: int) -> mx.array:
         T = x.shape[0]
@@ -265,7 +267,7 @@ def _attend_selected(kv, q, k, v, scale, blocks, positions, layer: QSAAttention)
     kv.append(k, v)
     keys, values = kv.keys[..., : kv.length, :], kv.values[..., : kv.length, :]
     if T == 1:
-        idx = token_indices(blocks[0], kv.length - 1, layer.ratio, layer.topk)
+        idx = token_indices(blocks[0], kv.length - 1, layer.ratio, layer.n_blocks)
         return mx.fast.scaled_dot_product_attention(
             q, keys[..., idx, :], values[..., idx, :], scale=scale
         )
