@@ -30,7 +30,7 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
 from langchain_core.tools import tool
 from langchain_qwen38 import ChatQwen38
-from langchain_qwen38.engine_cache import get_engine
+from langchain_qwen38.shared_models import shared_model
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import BaseModel, Field
 
@@ -334,9 +334,9 @@ def test_prefix_reuse_across_turns(tiny: ChatQwen38) -> None:
     )
 
 
-def _engine_tokens(model: str) -> int:
-    engine = get_engine(model)
-    return engine.call(lambda: max(s.state.offset for s in engine._sessions if s.state))
+def _live_tokens(model: str) -> int:
+    shared = shared_model(model)
+    return shared.call(lambda: max(s.state.offset for s in shared._sessions if s.state))
 
 
 def test_breaking_a_stream_stops_generation() -> None:
@@ -348,7 +348,7 @@ def test_breaking_a_stream_stops_generation() -> None:
         if i == 3:
             break
     # the engine thread is free again well before 5000 tokens, and stopped early
-    assert _engine_tokens(path) < 1000
+    assert _live_tokens(path) < 1000
 
 
 @pytest.mark.asyncio
@@ -366,7 +366,7 @@ async def test_cancelled_astream_stops_generation() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    tokens = await asyncio.get_running_loop().run_in_executor(None, _engine_tokens, path)
+    tokens = await asyncio.get_running_loop().run_in_executor(None, _live_tokens, path)
     assert tokens < 1000
 
 
@@ -376,19 +376,19 @@ def test_timeout_raises() -> None:
         chat.invoke("Go on forever.", stop_token_ids=[])
 
 
-def test_engine_loaded_once_and_shared() -> None:
+def test_model_loaded_once_and_shared() -> None:
     path = tiny_model("qwen3")
     chats = [ChatQwen38(model=path) for _ in range(3)]
-    engines: list[Any] = []
+    models: list[Any] = []
     threads = [
-        threading.Thread(target=lambda c=c: engines.append(get_engine(c.model))) for c in chats
+        threading.Thread(target=lambda c=c: models.append(shared_model(c.model))) for c in chats
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len({id(e) for e in engines}) == 1 and engines[0].model is not None
-    assert get_engine(path, "float32") is not engines[0]  # dtype is part of the key
+    assert len({id(m) for m in models}) == 1 and models[0].model is not None
+    assert shared_model(path, "float32") is not models[0]  # dtype is part of the key
 
 
 def test_invalid_tool_choice_and_inputs(tiny: ChatQwen38) -> None:
@@ -429,7 +429,7 @@ def test_prefix_reused_across_processes(isolated_home: Path) -> None:
     )
     env = {**os.environ, "QWEN38_HOME": str(isolated_home)}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
-    # a model name this process has not loaded yet: a fresh engine with no live state
+    # a model name this process has not loaded yet: a fresh shared model, no live state
     fresh = str(Path(path).resolve()) + os.sep
     msg = ChatQwen38(model=fresh, reasoning=False, max_tokens=8).invoke(prompt)
     assert msg.usage_metadata and msg.usage_metadata["input_token_details"]["cache_read"] > 0
@@ -442,7 +442,7 @@ def test_cached_short_prompt_then_longer_one() -> None:
     chat.invoke("hi")
     # the GPU's 512-token prefill chunk: with the CPU's 128 the first chunk never outgrew
     # the buffer
-    model = get_engine(chat.model).model
+    model = shared_model(chat.model).model
     model.prefill_chunk = 512
     words = 1  # 'fig fig ...' of 330 tokens (the prompt on the demo tokenizer)
     while len(model.tokenizer.encode("fig " * words)) < 330:
@@ -450,6 +450,6 @@ def test_cached_short_prompt_then_longer_one() -> None:
     long_prompt = "fig " * words
     first = chat.invoke(long_prompt)
     again = chat.invoke(long_prompt)
-    del get_engine(chat.model).model.prefill_chunk
+    del shared_model(chat.model).model.prefill_chunk
     assert again.usage_metadata["input_token_details"]["cache_read"] > 0
     assert first.content == again.content

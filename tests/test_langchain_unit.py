@@ -16,8 +16,8 @@ from langchain_core.messages import (
 )
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_qwen38 import ChatQwen38
-from langchain_qwen38.engine_cache import loaded_engines
 from langchain_qwen38.messages import to_template_messages
+from langchain_qwen38.shared_models import loaded_shared_models
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
 
@@ -77,10 +77,10 @@ def _history() -> list:
 
 
 def test_construction_loads_nothing() -> None:
-    before = dict(loaded_engines())
+    before = dict(loaded_shared_models())
     chat = ChatQwen38(model="/nonexistent/model/dir", temperature=0.5)
     assert chat.model == "/nonexistent/model/dir"
-    assert loaded_engines() == before
+    assert loaded_shared_models() == before
     assert chat.profile and chat.profile["tool_calling"] and chat.profile["structured_output"]
 
 

@@ -109,7 +109,7 @@ def test_demo_fetched_once_serves_every_entry_point(
     user: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd
 ) -> None:
     from click.testing import CliRunner
-    from langchain_qwen38.engine_cache import _resolve
+    from langchain_qwen38.shared_models import _resolve
     from llm_qwen38 import _runtime
     from llm_qwen38._commands import qwen38_group
 

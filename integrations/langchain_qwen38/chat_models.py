@@ -38,8 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qwen38_backend.errors import OutputCutError
 
-from .engine_cache import DEFAULT_MODEL, Engine, get_engine
 from .messages import to_template_messages
+from .shared_models import DEFAULT_MODEL, SharedModel, shared_model
 
 __all__ = ["ChatQwen38"]
 
@@ -169,10 +169,10 @@ class ChatQwen38(BaseChatModel):
             temperature=True,
         )
 
-    # ----- the engine --------------------------------------------------------------------
+    # ----- the shared model---------------------------------------------------------------
 
-    def _engine(self, model: str | None = None) -> Engine:
-        return get_engine(model or self.model, self.dtype)
+    def _shared(self, model: str | None = None) -> SharedModel:
+        return shared_model(model or self.model, self.dtype)
 
     def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Session.generate options from the fields and the call's kwargs (LangChain's names
@@ -196,17 +196,17 @@ class ChatQwen38(BaseChatModel):
         return {**self.model_kwargs, **opts, **kwargs}
 
     def _prepare(
-        self, engine: Engine, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
+        self, shared: SharedModel, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
     ) -> Any:
         """The engine's Request for this call (rendered and tokenized once, here)."""
         options = self._options(stop, kwargs)
         tools = options.pop("tools", None) or None
         dicts = to_template_messages(messages)
-        return engine.model_request(dicts, tools, **options)
+        return shared.model_request(dicts, tools, **options)
 
     def _job(
         self,
-        engine: Engine,
+        shared: SharedModel,
         messages: list[BaseMessage],
         stop: list[str] | None,
         kwargs: dict[str, Any],
@@ -226,8 +226,8 @@ class ChatQwen38(BaseChatModel):
 
         try:
             check()
-            request = self._prepare(engine, messages, stop, kwargs)
-            session = engine.acquire_session(request.ids)
+            request = self._prepare(shared, messages, stop, kwargs)
+            session = shared.acquire_session(request.ids)
             if request.params.seed is not None and session.state is not None:
                 # the live state carries the previous call's RNG key, which would override
                 # the seed: drop it so a seed reproduces its output
@@ -253,10 +253,10 @@ class ChatQwen38(BaseChatModel):
     ) -> Iterator[AIMessageChunk]:
         """Generate on the engine thread, yielding its chunks here as they come."""
         deadline = self._deadline()
-        engine = self._engine(kwargs.get("model"))
+        shared = self._shared(kwargs.get("model"))
         items: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         cancelled = threading.Event()
-        engine.submit(self._job, engine, messages, stop, kwargs, items.put, cancelled, deadline)
+        shared.submit(self._job, shared, messages, stop, kwargs, items.put, cancelled, deadline)
         try:
             while True:
                 wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -264,7 +264,7 @@ class ChatQwen38(BaseChatModel):
                     kind, item = items.get(timeout=wait)
                 except queue.Empty:
                     raise TimeoutError(
-                        f"{engine.name}: no result within timeout={self.timeout}s"
+                        f"{shared.name}: no result within timeout={self.timeout}s"
                     ) from None
                 if kind == "end":
                     return
@@ -365,7 +365,7 @@ class ChatQwen38(BaseChatModel):
         # the engine stops at its next event.
         loop = asyncio.get_running_loop()
         deadline = self._deadline()
-        engine = await loop.run_in_executor(None, self._engine, kwargs.get("model"))
+        shared = await loop.run_in_executor(None, self._shared, kwargs.get("model"))
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancelled = threading.Event()
 
@@ -375,7 +375,7 @@ class ChatQwen38(BaseChatModel):
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 cancelled.set()
 
-        engine.submit(self._job, engine, messages, stop, kwargs, emit, cancelled, deadline)
+        shared.submit(self._job, shared, messages, stop, kwargs, emit, cancelled, deadline)
         try:
             while True:
                 wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -383,7 +383,7 @@ class ChatQwen38(BaseChatModel):
                     kind, item = await asyncio.wait_for(items.get(), wait)
                 except asyncio.TimeoutError:
                     raise TimeoutError(
-                        f"{engine.name}: no result within timeout={self.timeout}s"
+                        f"{shared.name}: no result within timeout={self.timeout}s"
                     ) from None
                 if kind == "end":
                     break

@@ -5,7 +5,7 @@ first; every instance naming the same model then shares them. Each loaded model 
 Sessions; a call goes to the one whose live state shares the longest token prefix with the
 new prompt, so agent loops and chat histories only prefill what is new.
 
-Loaded engines live for the process; their worker threads are idle between calls.
+Shared models live for the process; the engine thread is idle between calls.
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ from qwen38_backend.worker import engine_thread
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_MODEL", "SESSIONS_PER_MODEL", "Engine", "get_engine", "clear_engines"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "SESSIONS_PER_MODEL",
+    "SharedModel",
+    "shared_model",
+    "clear_shared_models",
+]
 
 DEFAULT_MODEL = "qwen38"  # the registry's default model, else the demo model
 # Each live session holds a whole KV state, so keep few: enough for a conversation plus an
@@ -30,8 +36,9 @@ DEFAULT_MODEL = "qwen38"  # the registry's default model, else the demo model
 SESSIONS_PER_MODEL = 2
 
 
-class Engine:
-    """One loaded Model, its sessions, and the one thread every use of it runs on.
+class SharedModel:
+    """One loaded Model shared by every ChatQwen38 naming it, its sessions, and the one thread
+    every use of it runs on.
 
     MLX binds lazily evaluated arrays to the thread (stream) that created them, so loading,
     rendering, constrained-decoding masks and generation all run on the process-wide engine
@@ -89,7 +96,7 @@ class Engine:
         self.call(self._sessions.clear)
 
 
-_ENGINES: dict[tuple[str, str | None], Engine] = {}
+_SHARED: dict[tuple[str, str | None], SharedModel] = {}
 _LOAD_LOCKS: dict[tuple[str, str | None], threading.Lock] = {}
 _REGISTRY_LOCK = threading.Lock()
 
@@ -103,43 +110,43 @@ def _resolve(model: str) -> str:
     return model
 
 
-def get_engine(model: str, dtype: str | None = None) -> Engine:
-    """The shared Engine for (model, dtype), loading it on first use (thread-safe)."""
+def shared_model(model: str, dtype: str | None = None) -> SharedModel:
+    """The SharedModel for (model, dtype), loading it on first use (thread-safe)."""
     import qwen38_backend
 
     key = (model, dtype)
     with _REGISTRY_LOCK:
-        engine = _ENGINES.get(key)
-        if engine is not None:
-            return engine
+        shared = _SHARED.get(key)
+        if shared is not None:
+            return shared
         load_lock = _LOAD_LOCKS.setdefault(key, threading.Lock())
     # loading can take minutes: hold only this model's lock, not the registry's
     with load_lock:
         with _REGISTRY_LOCK:
-            engine = _ENGINES.get(key)
-        if engine is None:
-            engine = Engine(model)
+            shared = _SHARED.get(key)
+        if shared is None:
+            shared = SharedModel(model)
             try:
-                engine.model = engine.call(qwen38_backend.load, _resolve(model), dtype)
+                shared.model = shared.call(qwen38_backend.load, _resolve(model), dtype)
             except BaseException:
-                engine.close()
+                shared.close()
                 raise
             with _REGISTRY_LOCK:
-                _ENGINES[key] = engine
-    return engine
+                _SHARED[key] = shared
+    return shared
 
 
-def clear_engines() -> None:
+def clear_shared_models() -> None:
     """Drop every loaded model (their memory is freed once nothing references them)."""
     with _REGISTRY_LOCK:
-        engines = list(_ENGINES.values())
-        _ENGINES.clear()
+        models = list(_SHARED.values())
+        _SHARED.clear()
         _LOAD_LOCKS.clear()
-    for engine in engines:
-        engine.close()
+    for shared in models:
+        shared.close()
 
 
-def loaded_engines() -> dict[tuple[str, str | None], Any]:
+def loaded_shared_models() -> dict[tuple[str, str | None], Any]:
     """Snapshot of the cache, for inspection and tests."""
     with _REGISTRY_LOCK:
-        return dict(_ENGINES)
+        return dict(_SHARED)
