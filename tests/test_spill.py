@@ -23,11 +23,9 @@ P = 8
 
 
 def tiny_weights(arch: str, directory, seed: int = 0):
-    # make_tiny_checkpoint is being renamed make_tiny_weights: accept either.
-    from qwen38_backend import testing
+    from qwen38_backend.testing import make_tiny_weights
 
-    make = getattr(testing, "make_tiny_weights", None) or testing.make_tiny_checkpoint
-    return make(arch, directory, seed=seed)
+    return make_tiny_weights(arch, directory, seed=seed)
 
 
 @pytest.fixture(scope="module")
