@@ -7,27 +7,34 @@ config and the options alone (a config dict is enough: `qwen38 info MODEL --cont
   not allocate until evaluation), in the weights dtype, quantized as the config says; an
   engine Model counts its loaded parameters. Qwen3.8-Flash-Next's n-gram table is listed
   separately as memory-mapped (it is read a few rows per token, never resident as a whole).
-- kv: K and V of every attention layer for the rows the store allocates: the contiguous store
-  grows in steps of 256 rows, the paged store in whole pages (growth simulated exactly over
-  the prefill chunks and decode steps), capped by `kv_pool_tokens` when set (the rest is
-  `kv_spill`, on disk).
+- kv: K and V of every attention layer for the rows the store allocates. Which store, and
+  its pool, is `kv.choose_kv` (the KV factory's own decision): the contiguous store grows in
+  steps of 256 rows; the paged store in whole pages (growth simulated over the prefill chunks
+  and decode steps with the pool's own `grown_capacity`) up to its pool: `kv_pool_tokens`,
+  or the auto pool (`kv.policy.auto_pool_tokens` of the memory available, less the weights
+  when they are not loaded yet).
+- kv_spill (disk): with a pool smaller than the context, the spill file can come to hold
+  every sealed page (pages leave the pool once written and are written once per version);
+  `admit` checks it against the free space of the spill directory.
 - kv_growth: the transient of the last growth (the old buffer lives until the copy is done).
-- quest_meta: per sealed page, per KV head, key min and max (paged store only).
+- quest_meta: per sealed page, per KV head, key min and max (paged store only; resident).
 - recurrent: Gated DeltaNet state, fp32 [value heads, key dim, value dim] per layer, plus
   the conv rows (kernel - 1) x conv channels in the state dtype.
 - indexer: QSA raw indexer keys per token and pooled keys per block of `compress_ratio`.
 - ple_state: PLE conv rows and n-gram context ids.
 - mtp_reserve: the MTP head's own KV (and indexer keys) over the context, when MTP is on.
 - scratch: one prefill chunk's activations (widest layer output, fp32), the attention scores
-  of one chunk against the whole context when attention is not fused (MLX on CPU), and the
-  last position's logits.
+  of one chunk (one-shot against the context while small or not fused, else the blocked
+  walk's few blocks: kv/blocked.py), and the last position's logits.
 
-`admit(plan, available)` raises AdmissionError "needs X bytes, has Y, short by Z".
+`admit(plan, available)` raises AdmissionError "needs X bytes, has Y, short by Z" (RAM),
+the same for the spill file's disk, and refuses a pool too small for a sparse decode step.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,23 +43,22 @@ import mlx.core as mx
 
 from .config import model_family, text_config
 from .errors import AdmissionError, InvalidOptionError
+from .kv.blocked import BLOCK_TOKENS, ONE_SHOT_BYTES, SCORE_BLOCKS_LIVE
+from .kv.contiguous import ContiguousKV
+from .kv.policy import (
+    AUTO_MIN_PAGES,
+    KV_OPTION_KEYS,
+    KVChoice,
+    auto_pool_tokens,
+    choose_kv,
+    spill_root,
+)
+from .kv.pool import grown_capacity
+from .kv.quest import forced_pages
 
 PLAN_OPTIONS = frozenset(
-    {
-        "dtype",
-        "weights_dtype",
-        "kv_dtype",
-        "prefill_chunk",
-        "kv_paged",
-        "kv_page_tokens",
-        "kv_pool_tokens",
-        "kv_spill_dir",
-        "kv_topk",
-        "kv_sinks",
-        "kv_recent",
-        "mtp",
-        "fused_attention",
-    }
+    {"dtype", "weights_dtype", "kv_dtype", "prefill_chunk", "mtp", "fused_attention", "available"}
+    | KV_OPTION_KEYS
 )
 
 _BYTES = {
@@ -64,9 +70,7 @@ _BYTES = {
     "bf16": 2,
 }
 _MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-CONTIGUOUS_STEP = 256  # kv/contiguous.py ContiguousKV.step and QSA key buffers
-PAGED_MIN_GROW = 64  # kv/paged.py PagePool.min_grow_pages
-PAGED_DEFAULT_TOKENS = 32
+CONTIGUOUS_STEP = ContiguousKV.step  # also the QSA key buffers' step
 
 
 @dataclass
@@ -85,6 +89,10 @@ class MemoryPlan:
     context: int
     dtype: str
     components: list[Component] = field(default_factory=list)
+    kv: KVChoice | None = None  # the KV store decision (kv.choose_kv)
+    pool_pages: int | None = None  # per attention layer (paged); None: unbounded
+    selection_pages: int = 0  # pages a sparse decode step may need resident at once
+    spill_dir: Path | None = None  # where the spill file goes (when kv_spill > 0)
 
     def __getitem__(self, name: str) -> int:
         return sum(c.nbytes for c in self.components if c.name == name)
@@ -118,7 +126,14 @@ class MemoryPlan:
             "components": {c.name: {"bytes": c.nbytes, "where": c.where} for c in self.components},
             "ram_bytes": self.ram,
             "disk_bytes": self.disk,
+            "kv_store": "paged" if self.kv is not None and self.kv.paged else "contiguous",
+            "pool_tokens": None if self.pool_pages is None else self.pool_pages * self.page_tokens,
+            "spill_dir": str(self.spill_dir) if self.disk else None,
         }
+
+    @property
+    def page_tokens(self) -> int:
+        return self.kv.page_tokens if self.kv is not None else 0
 
 
 # ----- available memory -------------------------------------------------------------------------
@@ -177,15 +192,15 @@ def _contiguous_rows(schedule: list[int]) -> tuple[int, int]:
     return cap, last_old
 
 
-def _paged_pages(schedule: list[int], page: int) -> tuple[int, int]:
-    """(capacity pages, pages before the last growth) of PagePool's x1.5 block growth."""
+def _paged_pages(schedule: list[int], page: int, max_pages: int | None) -> tuple[int, int]:
+    """(capacity pages, pages before the last growth) of the pool: the pool's own growth rule
+    (kv.pool.grown_capacity), stopping at its bound."""
     cap = length = last_old = 0
     for n in schedule:
         length += n
-        need = _ceil(length, page)
-        if need > cap:
-            last_old = cap
-            cap += max(need - cap, PAGED_MIN_GROW, cap // 2)
+        new = grown_capacity(cap, _ceil(length, page), max_pages)
+        if new > cap:
+            last_old, cap = cap, new
     return cap, last_old
 
 
@@ -266,23 +281,51 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
 
     chunk = int(options.get("prefill_chunk") or 512)
     schedule = _schedule(context, chunk, prompt_tokens)
-    paged = (options.get("kv_paged") or "off") == "on"
-    pool_tokens = options.get("kv_pool_tokens")
-    if paged:
-        page = int(options.get("kv_page_tokens") or PAGED_DEFAULT_TOKENS)
-        pages, old_pages = _paged_pages(schedule, page)
-        rows, old_rows = pages * page, old_pages * page
-        how = f"paged, {page}-token pages, {pages} slots"
+    choice = choose_kv(**{k: options[k] for k in KV_OPTION_KEYS if k in options})
+    plan.kv = choice
+    layer_token = hkv * hd * 2 * kvb  # K+V of one token in one attention layer
+    spill_pages = 0
+    if choice.paged:
+        P = choice.page_tokens
+        max_pages = choice.pool_pages()
+        if max_pages is not None:
+            pool_how = f"pool kv_pool_tokens={choice.pool_tokens:,}"
+        else:
+            # The factory's auto pool: the same rule on the memory available now (less the
+            # weights when they are not loaded yet: a plan from a config).
+            available = options.get("available")
+            if available is None:
+                available = available_memory()
+            if available is not None and built:
+                available = max(available - weight_bytes, 0)
+            tokens = auto_pool_tokens(available, per_token)
+            if tokens is not None:
+                max_pages = max(_ceil(tokens, P), AUTO_MIN_PAGES)
+            pool_how = (
+                "auto pool, unbounded (available memory unknown)"
+                if tokens is None
+                else f"auto pool {max_pages * P:,} tokens of {available:,} B available"
+            )
+        pages, old_pages = _paged_pages(schedule, P, max_pages)
+        rows, old_rows = pages * P, old_pages * P
+        plan.pool_pages = max_pages
+        how = f"paged, {P}-token pages, {pages} slots per layer; {pool_how}"
+        total_pages = _ceil(context, P)
+        if max_pages is not None and total_pages > max_pages:
+            spill_pages = context // P  # every sealed page may be written once
+        # A sparse step needs its selection resident at once: forced pages plus each KV
+        # head's own top-k (heads choose differently).
+        budget, sink_p = _ceil(choice.budget, P), _ceil(choice.sinks, P)
+        recent_p = _ceil(choice.recent, P)
+        sparse_from = 4 * budget * P if choice.mode == "auto" else 0
+        if context >= sparse_from:
+            _, n_forced = forced_pages(total_pages, sink_p, recent_p)
+            n_sel = min(total_pages, max(budget, n_forced))
+            if n_sel < total_pages:
+                plan.selection_pages = min(total_pages, n_forced + hkv * (n_sel - n_forced))
     else:
         rows, old_rows = _contiguous_rows(schedule)
         how = f"contiguous, {rows} rows (steps of {CONTIGUOUS_STEP})"
-    spill_rows = 0
-    if pool_tokens is not None and pool_tokens != "auto":
-        pool_tokens = int(pool_tokens)
-        if pool_tokens < context:
-            spill_rows = _ceil(context, 1) - pool_tokens
-        rows = min(rows, pool_tokens)
-        old_rows = min(old_rows, rows)
     add(
         Component(
             "kv",
@@ -297,14 +340,19 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
             "kv_growth", old_rows * per_token, "ram", "old buffer alive during the last growth"
         )
     )
-    if spill_rows:
+    if spill_pages:
+        plan.spill_dir = choice.spill_dir or spill_root()
         add(
             Component(
-                "kv_spill", spill_rows * per_token, "disk", f"{spill_rows} rows beyond the pool"
+                "kv_spill",
+                spill_pages * choice.page_tokens * per_token,
+                "disk",
+                f"up to {spill_pages:,} sealed pages x {n_attn} layers x "
+                f"{choice.page_tokens * layer_token:,} B in {plan.spill_dir}",
             )
         )
-    if paged:
-        sealed = context // page
+    if choice.paged:
+        sealed = context // choice.page_tokens
         add(
             Component(
                 "quest_meta",
@@ -363,7 +411,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     mtp_on = options.get("mtp")
     mtp_on = n_mtp > 0 if mtp_on is None else bool(mtp_on) and n_mtp > 0
     if mtp_on:
-        mtp_kv = n_mtp * hkv * hd * 2 * kvb * rows
+        mtp_kv = n_mtp * layer_token * _contiguous_rows(schedule)[0]  # its own contiguous KV
         mtp_idx = 0
         if idx_dim and ratio and family == "qwen4_exp":
             raw_rows = _ceil(context, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
@@ -385,7 +433,14 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     if getattr(cfg, "num_experts", 0):
         widths.append(2 * cfg.moe_intermediate_size * cfg.num_experts_per_tok)
     activ = t * (cfg.hidden_size + max(widths)) * 4 * 2  # input and output of the widest op
-    scores = 0 if fused else t * hq * context * 4
+    one_shot = 0 if fused else min(t * hq * context * 4, ONE_SHOT_BYTES)
+    if context - t <= BLOCK_TOKENS or t * hq * context * 4 <= ONE_SHOT_BYTES:
+        one_shot = 0 if fused else t * hq * context * 4
+        walk = 0
+    else:  # the blocked walk (every backend: its scores are plain ops)
+        walk = SCORE_BLOCKS_LIVE * t * hq * BLOCK_TOKENS * 4
+    scores = max(one_shot, walk)
+    how_scores = "blocked walk" if walk else "fused" if fused else "one-shot"
     logits = cfg.vocab_size * 4
     add(
         Component(
@@ -393,7 +448,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
             activ + scores + logits,
             "ram",
             f"{t}-token chunk activations {activ:,} B + attention scores {scores:,} B "
-            f"({'fused' if fused else 'materialized'}) + logits {logits:,} B",
+            f"({how_scores}) + logits {logits:,} B",
         )
     )
     return plan
@@ -440,8 +495,46 @@ def _weight_bytes(net: Any, config: dict, dtype: str | None) -> tuple[int, int]:
 
 
 # ----- admission and printing -------------------------------------------------------------------
-def admit(plan: MemoryPlan, available: int | None = None, include_weights: bool = True) -> None:
-    """Raise AdmissionError when the plan's resident bytes exceed `available` (default: OS)."""
+def free_disk(directory: Path) -> int | None:
+    """Free bytes on the file system that holds `directory` (or its nearest parent)."""
+    path = Path(directory)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def admit(
+    plan: MemoryPlan,
+    available: int | None = None,
+    include_weights: bool = True,
+    disk_available: int | None = None,
+) -> None:
+    """Raise AdmissionError when the plan cannot run: resident bytes over `available`
+    (default: what the OS reports), the spill file over the free space of its directory
+    (default: measured), or a KV pool smaller than one sparse decode step's selection."""
+    if plan.pool_pages is not None and plan.selection_pages > plan.pool_pages:
+        P = plan.page_tokens
+        raise AdmissionError(
+            f"a KV pool of {plan.pool_pages} pages ({plan.pool_pages * P:,} tokens) per "
+            f"layer is smaller than what a sparse decode step may need resident at once: "
+            f"{plan.selection_pages} pages (each KV head selects its own, plus the sinks and "
+            f"the recent window); use kv_pool_tokens >= {plan.selection_pages * P:,} or a "
+            "smaller kv_topk"
+        )
+    if plan.disk:
+        free = disk_available
+        if free is None and plan.spill_dir is not None:
+            free = free_disk(plan.spill_dir)
+        if free is not None and plan.disk > free:
+            raise AdmissionError(
+                f"a {plan.context:,}-token context spills up to {plan.disk:,} bytes of KV to "
+                f"{plan.spill_dir}, which has {free:,} free, short by {plan.disk - free:,} "
+                "bytes; free disk space, set kv_spill_dir to a larger disk, or raise "
+                "kv_pool_tokens"
+            )
     if available is None:
         available = available_memory()
         if available is None:
@@ -460,8 +553,17 @@ def admit(plan: MemoryPlan, available: int | None = None, include_weights: bool 
         raise AdmissionError(
             f"a {plan.context:,}-token context needs {need:,} bytes, has {available:,}, short by "
             f"{need - available:,} bytes (largest: {parts}); use a shorter context, a smaller "
-            "KV pool (kv_pool_tokens) or a smaller model"
+            "KV pool (kv_pool_tokens, with kv_paged) or a smaller model"
         )
+
+
+def plan_verdict(plan: MemoryPlan, available: int | None = None) -> str:
+    """ "fits", or why not (the refusal `admit` would raise), weights included."""
+    try:
+        admit(plan, available)
+    except AdmissionError as e:
+        return f"does not fit: {e}"
+    return "fits"
 
 
 def check_admission(
@@ -481,8 +583,11 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def format_plan(plan: MemoryPlan, available: int | None = None) -> str:
-    """The plan as a table: every component in bytes (and human units), then the totals."""
+def format_plan(
+    plan: MemoryPlan, available: int | None = None, disk_available: int | None = None
+) -> str:
+    """The plan as a table: every component in bytes (and human units), then the totals,
+    and when `available` / the spill directory's free space are known, whether it fits."""
     lines = [f"memory plan: {plan.family}, {plan.context:,} tokens, {plan.dtype}"]
     width = max(len(c.name) for c in plan.components)
     for c in plan.components:
@@ -491,12 +596,26 @@ def format_plan(plan: MemoryPlan, available: int | None = None) -> str:
             f"{c.detail}"
         )
     lines.append(f"  {'total RAM':<{width}}  {plan.ram:>18,} bytes  {_human(plan.ram):>10}")
-    if plan.disk:
-        lines.append(f"  {'total disk':<{width}}  {plan.disk:>18,} bytes  {_human(plan.disk):>10}")
     if available is not None:
         verdict = "fits" if plan.ram <= available else f"short by {plan.ram - available:,} bytes"
         lines.append(
             f"  {'available':<{width}}  {available:>18,} bytes  {_human(available):>10}  {verdict}"
+        )
+    if plan.disk:
+        lines.append(f"  {'total disk':<{width}}  {plan.disk:>18,} bytes  {_human(plan.disk):>10}")
+        free = disk_available
+        if free is None and plan.spill_dir is not None:
+            free = free_disk(plan.spill_dir)
+        if free is not None:
+            verdict = "fits" if plan.disk <= free else f"short by {plan.disk - free:,} bytes"
+            lines.append(
+                f"  {'free disk':<{width}}  {free:>18,} bytes  {_human(free):>10}  {verdict}  "
+                f"({plan.spill_dir})"
+            )
+    if plan.pool_pages is not None and plan.selection_pages > plan.pool_pages:
+        lines.append(
+            f"  the KV pool ({plan.pool_pages} pages per layer) is below a sparse decode "
+            f"step's selection ({plan.selection_pages} pages): refused"
         )
     return "\n".join(lines)
 
@@ -516,4 +635,5 @@ __all__ = [
     "format_plan",
     "kv_bytes_per_token",
     "memory_plan",
+    "plan_verdict",
 ]

@@ -38,7 +38,10 @@ def weights_summary(weights) -> dict:
     }
 
 
-def describe(name_or_path: str, context: int | None = None) -> str:
+def describe(name_or_path: str, context: int | None = None, **kv_options) -> str:
+    """What `qwen38 info` prints; with `context`, the memory plan for that many tokens with
+    the KV options given (default: the contiguous store) and, when none are given, the
+    paged store with the SSD tier beside it: pool, spill and whether each fits."""
     from .loading import read_weights
     from .loading.registry import resolve
 
@@ -55,14 +58,37 @@ def describe(name_or_path: str, context: int | None = None) -> str:
         f"context       {s['context']:,} tokens" if s["context"] else "context       unknown",
     ]
     if context is not None:
-        from .admission import available_memory, format_plan, memory_plan
-
-        lines.append("")
         import mlx.core as mx
+
+        from .admission import available_memory, format_plan, memory_plan, plan_verdict
 
         # as load() would run it: fp32 on CPU (quantized weights dequantized there)
         on_cpu = mx.default_device() == mx.cpu
         opts = {"dtype": "float32", "weights_dtype": "float32"} if on_cpu else {}
-        plan = memory_plan(weights.config, context, **opts)
-        lines.append(format_plan(plan, available_memory()))
+        available = available_memory()
+        plan = memory_plan(weights.config, context, available=available, **opts, **kv_options)
+        lines += ["", format_plan(plan, available), f"  verdict: {plan_verdict(plan, available)}"]
+        if not kv_options:
+            tier = memory_plan(weights.config, context, available=available, kv_paged="on", **opts)
+            lines += ["", *_tier_summary(tier, available)]
     return "\n".join(lines)
+
+
+def _tier_summary(plan, available: int | None) -> list[str]:
+    """The paged store with an auto pool and the SSD tier, in a few lines."""
+    from .admission import _human, free_disk, plan_verdict
+
+    P = plan.page_tokens
+    pool = "unbounded" if plan.pool_pages is None else f"{plan.pool_pages * P:,} tokens per layer"
+    out = [
+        "with the SSD tier (kv_paged=on, auto pool; set kv_pool_tokens / kv_spill_dir):",
+        f"  pool   {pool}: {plan['kv']:,} bytes ({_human(plan['kv'])}) resident",
+    ]
+    if plan.disk:
+        free = free_disk(plan.spill_dir)
+        where = f"{plan.spill_dir}, {free:,} bytes free" if free is not None else plan.spill_dir
+        out.append(f"  spill  up to {plan.disk:,} bytes ({_human(plan.disk)}) in {where}")
+    else:
+        out.append("  spill  none (the context fits the pool)")
+    out.append(f"  RAM    {plan.ram:,} bytes in all; verdict: {plan_verdict(plan, available)}")
+    return out

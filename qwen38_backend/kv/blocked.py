@@ -33,6 +33,12 @@ BLOCK_TOKENS = 2048
 # One-shot attention also runs when its scores [Hq, T, past + T] fp32 stay this small: the
 # fused kernel is faster than the walk at short contexts, and the bound is still a constant.
 ONE_SHOT_BYTES = 128 << 20
+# The lazy graph of a long walk keeps about a dozen blocks' scores alive at once (measured
+# on CPU); evaluating the carry every few blocks bounds that to about this many.
+EVAL_EVERY_BLOCKS = 4
+# Peak of a walk in units of one block's scores [Hq, T, BLOCK] fp32 (measured on CPU with
+# EVAL_EVERY_BLOCKS = 4: scores, their exp and the blocks in flight); admission plans with it.
+SCORE_BLOCKS_LIVE = 9
 
 Block = tuple[mx.array, mx.array] | tuple[mx.array, mx.array, bool]
 
@@ -76,13 +82,15 @@ def blocked_attention(
     # Queries of one KV group side by side: [Hkv, G*T, D], scaled once.
     qf = (q[0].astype(mx.float32) * scale).reshape(hkv, group * T, d)
     carry = None
-    for block in blocks:
+    for i, block in enumerate(blocks):
         kb, vb = block[0], block[1]
         if kb.shape[2] == 0:
             continue
         carry = _carry_step(qf, kb[0], vb[0], carry)
-        if len(block) > 2 and block[2]:
-            mx.eval(carry)  # a transient block: compute now so its buffer can be freed
+        if (len(block) > 2 and block[2]) or (i + 1) % EVAL_EVERY_BLOCKS == 0:
+            # A transient block (read from disk) is freed at once; resident ones every few
+            # blocks, so the graph never holds more than a few blocks' scores.
+            mx.eval(carry)
     # The chunk itself: query row r (position r % T within the chunk) sees keys <= r % T.
     rows = mx.arange(T)[:, None] >= mx.arange(T)[None, :]  # [T, T]
     mask = mx.broadcast_to(rows[None], (group, T, T)).reshape(1, group * T, T)
