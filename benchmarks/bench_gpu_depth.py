@@ -1,0 +1,134 @@
+"""Qwen3.8-27B dimensions (random bf16, generated on the device) at depth: 32K to 262,144.
+
+    python benchmarks/bench_gpu_depth.py --lengths 32768,131072,262144 --out depth.json
+
+Per length, in one process: prefill at the engine's default chunk (Model.prefill_chunk) into a
+paged state (identity-mapped pages: the same dense prefill math), peak memory of that prefill
+(mx.get_peak_memory after a reset) against weights + KV, then decode `--decode` tokens with
+Quest (kv_topk budget) and, after rewinding them, the same number dense (the budget widened to
+the whole context). Reports tok/s, bytes a token reads and the fraction of the bandwidth bound.
+`--dims tiny --layers 4` smoke-tests the script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_gpu_27b import config_and_shapes, prompt, random_weights  # noqa: E402
+
+
+def build(dims: str, layers: int, dtype_name: str):
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    from qwen38_backend.engine import Model
+    from qwen38_backend.loading import Weights
+    from qwen38_backend.models import build_model
+    from qwen38_backend.models.layers import fuse_projections
+
+    dtype = getattr(mx, dtype_name)
+    config, shapes = config_and_shapes(dims, layers)
+    net = build_model(config)
+    weights = net.sanitize(random_weights(shapes, dtype))
+    nbytes = sum(w.nbytes for w in weights.values())
+    net.update(tree_unflatten(list(weights.items())))
+    del weights
+    fuse_projections(net)
+    read = Weights(
+        config=config, tensors={}, quantization={}, generation_config={"eos_token_id": []}
+    )
+    return Model(net, read, dtype, name="27b-random"), config, nbytes
+
+
+def decode(model, state, first: int, n: int) -> float:
+    from qwen38_backend.sampling import SamplingParams
+
+    stream = model.run([first], state, SamplingParams(max_tokens=n, stop_token_ids=[]))
+    for _ in stream:
+        pass
+    return stream.stats.decode_tokens_per_second
+
+
+def attention_layers(state) -> list:
+    return [layer for layer in state.layers if hasattr(layer, "budget_pages")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--lengths", default="32768,131072,262144")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=2048, help="Quest kv_topk")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--bound-gbps", type=float, default=4800.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    model, config, weights_bytes = build(args.dims, args.layers, args.dtype)
+    vocab = config["text_config"]["vocab_size"]
+    result = {
+        "device": str(mx.default_device()),
+        "dims": args.dims,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "prefill_chunk": model.prefill_chunk,
+        "weights_bytes": weights_bytes,
+        "budget": args.budget,
+        "lengths": {},
+    }
+    warm = model.new_state(kv_paged="on", kv_topk=args.budget)
+    mx.eval(model.prefill(prompt(2048, vocab), warm))  # compiles kernels
+    del warm
+    for length in (int(x) for x in args.lengths.split(",")):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        state = model.new_state(kv_paged="on", kv_topk=args.budget)
+        ids = prompt(length, vocab)
+        mx.synchronize()
+        t = time.perf_counter()
+        logits = model.prefill(ids, state)
+        mx.eval(logits)
+        mx.synchronize()
+        seconds = time.perf_counter() - t
+        kv_bytes = state.nbytes()
+        peak = mx.get_peak_memory()
+        first = int(mx.argmax(logits).item())
+        state.save_point()  # the Gated DeltaNet state to rewind the Quest tokens to
+        quest = decode(model, state, first, args.decode)
+        state.truncate(length)
+        for layer in attention_layers(state):
+            layer.budget_pages = 1 << 30  # covers everything: dense attention through pages
+        dense = decode(model, state, first, args.decode)
+        row = {
+            "prefill_tok_s": length / seconds,
+            "prefill_seconds": seconds,
+            "peak_memory_bytes": peak,
+            "resident_before_bytes": base,
+            "kv_bytes": kv_bytes,
+            "peak_over_weights_plus_kv": peak / (weights_bytes + kv_bytes),
+            "decode_quest_tok_s": quest,
+            "decode_dense_tok_s": dense,
+        }
+        dense_bytes = weights_bytes + kv_bytes
+        row["dense_fraction_of_bound"] = dense * dense_bytes / (args.bound_gbps * 1e9)
+        result["lengths"][str(length)] = row
+        print(json.dumps({str(length): row}), flush=True)
+        del state, logits
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
