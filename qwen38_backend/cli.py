@@ -7,6 +7,7 @@ import contextlib
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,9 +83,15 @@ def _interruptible() -> Iterator[threading.Event]:
 def _stream_turn(session, messages: list[dict], args: argparse.Namespace) -> tuple[str, bool]:
     """Stream one assistant turn to stdout (reasoning to stderr, dimmed); return the answer
     and whether Ctrl-C ended it early."""
-    with _interruptible() as cancel:
+    from .prefix_store import StateFileWarning
+
+    with _interruptible() as cancel, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", StateFileWarning)
         events = session.generate(messages, cancel=cancel, **_options(args))
         answer = _print_events(session, events, args)
+    # state-file problems (corrupt file, full disk): one line each, after the answer
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        sys.stderr.write(f"qwen38: {message}\n")
     if cancel.is_set():
         sys.stderr.write("qwen38: interrupted\n")
     return answer, cancel.is_set()

@@ -19,7 +19,6 @@ deleted (it would fail again), and the prompt is recomputed: never wrong output,
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 import warnings
@@ -34,7 +33,6 @@ from .errors import StateFileError
 from .state import StateSnapshot
 from .state_files import SUFFIX, StateFileInfo, read_header, read_state_file, save_state_file
 
-log = logging.getLogger(__name__)
 
 DEFAULT_DISK_BYTES = 20 * 1024**3
 DEFAULT_MEMORY_BYTES = 1024**3
@@ -275,9 +273,9 @@ class PrefixStore:
         return snap
 
     def _refuse(self, path: Path, err: Exception) -> None:
-        self.last_error = str(err)
-        log.warning("%s", err)
-        warnings.warn(f"{err}; recomputing instead", StateFileWarning, stacklevel=3)
+        # one report: the warning (logging too would print it a second time, unconfigured)
+        self.last_error = f"{err}; recomputing instead"
+        warnings.warn(self.last_error, StateFileWarning, stacklevel=3)
         self._headers.pop(str(path), None)
         try:
             path.unlink()
@@ -321,9 +319,8 @@ class PrefixStore:
                 try:
                     save_state_file(path, snap, model)
                 except StateFileError as e:
-                    self.last_error = str(e)
-                    log.warning("%s", e)
-                    warnings.warn(f"{e}; continuing without it", StateFileWarning, stacklevel=2)
+                    self.last_error = f"{e}; continuing without it"
+                    warnings.warn(self.last_error, StateFileWarning, stacklevel=2)
                 else:
                     self._evict_disk(keep=path)
         return key

@@ -227,6 +227,12 @@ def test_corrupt_state_file_is_recomputed(cli, tiny):
     last = cli.responses()[-1]
     assert last["response_json"]["cached_tokens"] == 0  # refused, so recomputed
     assert last["output_tokens"] == 4
+    # reported once, as one readable line of its own (no Python warning with a source line)
+    problem = last["response_json"]["state_file_error"]
+    assert problem and "recomputing instead" in problem
+    lines = [line for line in out.stderr.splitlines() if "recomputing instead" in line]
+    assert lines == [f"qwen38: {problem}"], out.stderr
+    assert "Warning" not in out.stderr and "warnings.warn" not in out.stderr
 
 
 # ----- generation, usage, conversations ----------------------------------------------------

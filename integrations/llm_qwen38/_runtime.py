@@ -18,6 +18,7 @@ import contextlib
 import json
 import queue
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -229,19 +230,26 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
         model_sampling=True,
         **opts,
     )
-    events = session.generate(req, cancel=request.cancel)
+    from qwen38_backend.prefix_store import StateFileWarning
+
+    if cache:
+        _prefix.store().last_error = None  # report this call's state-file problems only
     incomplete = None
-    try:
-        for event in events:
-            if event.type == "done":
-                incomplete = event.incomplete  # usage comes from session.last_stats below
-                continue
-            if event.type == "tool_call":
-                emit(("tool_call", event.tool_call))
-            elif event.text:
-                emit((event.type, event.text))
-    finally:
-        events.close()
+    with warnings.catch_warnings():
+        # reported once, on its own line, by execute() (and in response_json)
+        warnings.simplefilter("ignore", StateFileWarning)
+        events = session.generate(req, cancel=request.cancel)
+        try:
+            for event in events:
+                if event.type == "done":
+                    incomplete = event.incomplete  # usage comes from session.last_stats
+                    continue
+                if event.type == "tool_call":
+                    emit(("tool_call", event.tool_call))
+                elif event.text:
+                    emit((event.type, event.text))
+        finally:
+            events.close()
     stats = session.last_stats
     info = {
         "model": request.model_id,
@@ -362,6 +370,8 @@ def execute(model: Any, prompt: llm.Prompt, response: Any, conversation: Any) ->
         request.cancel.set()  # an abandoned stream stops the engine at the next token
         engine.forget_cancel(request.cancel)
     info = response.response_json or {}
+    if info.get("state_file_error"):
+        _note(info["state_file_error"])
     if info.get("incomplete"):
         what = {"tool_call": "tool call"}.get(info["incomplete"], "JSON")
         raise llm.ModelError(
