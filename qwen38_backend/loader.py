@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .engine import Model
 from .loading import read_weights
-from .loading.demo import demo_path
+from .loading.demo import is_demo_file
 from .loading.registry import DEMO_NAME, resolve
 from .models import build_model
 from .models.assign import assign_weights, parse_dtype
@@ -39,7 +39,7 @@ def load_model(
     fuse_projections(net)
     name = str(path_or_name) if not Path(str(path_or_name)).exists() else path.stem
     model = Model(net, weights, compute, name=name)
-    if name == DEMO_NAME or Path(path).resolve() == demo_path().resolve():
+    if name == DEMO_NAME or is_demo_file(Path(path)):
         # a 135M model on a CPU: its repetition loops would run for many minutes at 4096
         model.default_max_tokens = DEMO_MAX_TOKENS
     return model
