@@ -167,3 +167,24 @@ def test_llm_refuses_unknown_option_by_name(tiny_path, tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0 and "temprature" in proc.stderr
+
+
+def test_qwen38_run_max_tokens_zero_reads_the_prompt_into_the_prefix_store(tiny_path):
+    """`--max-tokens 0` is meaningful: the prompt is prefilled and stored, nothing generated;
+    the same prompt afterwards starts from the stored state."""
+    import os
+
+    run = [sys.executable, "-m", "qwen38_backend.cli", "run", str(tiny_path), "a long document"]
+    env = dict(os.environ)
+    first = subprocess.run(
+        [*run, "--max-tokens", "0", "--stats", "--no-think"], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert first.returncode == 0 and "generated 0" in first.stderr, first.stderr
+    second = subprocess.run(
+        [*run, "--max-tokens", "2", "--stats", "--no-think"], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    prompt_tokens = int(second.stderr.split("prompt ")[1].split()[0])
+    cached = int(second.stderr.split("(cached ")[1].split(")")[0])
+    assert cached == prompt_tokens - 1, second.stderr  # all but the token that starts decoding
