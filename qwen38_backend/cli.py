@@ -41,7 +41,25 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-page-tokens", type=int, default=None)
     p.add_argument("--kv-sinks", type=int, default=None)
     p.add_argument("--kv-recent", type=int, default=None)
+    p.add_argument(
+        "--kv-pool-tokens",
+        type=int,
+        default=None,
+        help="KV tokens kept in RAM per attention layer; older pages spill to disk",
+    )
+    p.add_argument("--kv-spill-dir", default=None, help="directory for the KV spill files")
     p.add_argument("--stats", action="store_true", help="print usage and speed to stderr")
+
+
+KV_FLAGS = (
+    "kv_paged",
+    "kv_topk",
+    "kv_page_tokens",
+    "kv_sinks",
+    "kv_recent",
+    "kv_pool_tokens",
+    "kv_spill_dir",
+)
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -54,7 +72,7 @@ def _options(args: argparse.Namespace) -> dict:
         seed=args.seed,
         stop=args.stop,
     )
-    for name in ("kv_paged", "kv_topk", "kv_page_tokens", "kv_sinks", "kv_recent"):
+    for name in KV_FLAGS:
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.think is not None:

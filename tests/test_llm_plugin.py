@@ -413,3 +413,18 @@ def test_schema_cut_by_max_tokens_is_an_error(cli, tiny):
     assert "cut at max_tokens" in out.stderr and "finish_reason: length" in out.stderr
     with pytest.raises(ValueError):
         json.loads(out.stdout)  # what was printed is indeed not JSON: the error was right
+
+
+def test_bounded_pool_options_reach_the_engine(cli, tiny, tmp_path):
+    """-o kv_pool_tokens / kv_spill_dir: a pool smaller than the context spills to disk and
+    answers as the all-resident store does."""
+    prompt = prompt_of(tiny_tokenizer(cli), 300)
+    common = ["-m", tiny, prompt, "-o", "max_tokens", "6", "-o", "cache", "false"]
+    common += ["-o", "kv_paged", "on", "-o", "kv_page_tokens", "16"]
+    resident = cli(*common)
+    spill = tmp_path / "spill"
+    bounded = cli(*common, "-o", "kv_pool_tokens", "64", "-o", "kv_spill_dir", str(spill))
+    assert bounded.stdout == resident.stdout
+    kv = cli.responses()[-1]["response_json"]["kv"]
+    assert kv.get("pages_spilled", kv.get("spill_writes", 0)) > 0, kv
+    assert not any(spill.rglob("*")) or all(p.is_dir() for p in spill.rglob("*"))  # removed

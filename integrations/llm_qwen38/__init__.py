@@ -49,6 +49,16 @@ class Qwen38Options(llm.Options):
     kv_topk: int | None = Field(
         default=None, ge=1, description="Sparse decode budget: tokens of KV read per step"
     )
+    kv_page_tokens: int | None = Field(default=None, ge=1, description="Tokens per KV page")
+    kv_pool_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV tokens kept in RAM per attention layer (bounded pool; default: from "
+        "free memory); older pages spill to disk",
+    )
+    kv_spill_dir: str | None = Field(
+        default=None, description="Directory for the KV spill files (default: the cache dir)"
+    )
     cache: bool | None = Field(
         default=None,
         description="Reuse computed prefixes (live session, state files on disk); default on",
