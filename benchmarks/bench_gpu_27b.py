@@ -84,7 +84,8 @@ def _median(values: list[float]) -> dict:
 
 
 # ----- workers ---------------------------------------------------------------------------------
-def worker_ours(args) -> dict:
+def random_model(dims: str, layers: int, dtype_name: str):
+    """(Model, config, weight bytes): the family built with device-side random weights."""
     import mlx.core as mx
     from mlx.utils import tree_unflatten
 
@@ -92,14 +93,9 @@ def worker_ours(args) -> dict:
     from qwen38_backend.loading import Weights
     from qwen38_backend.models import build_model
     from qwen38_backend.models.layers import fuse_projections
-    from qwen38_backend.sampling import SamplingParams
 
-    dtype = getattr(mx, args.dtype)
-    if args.op_by_op:
-        from qwen38_backend.models.layers import PreNormBlock
-
-        PreNormBlock.compile_decode = False
-    config, shapes = config_and_shapes(args.dims, args.layers)
+    dtype = getattr(mx, dtype_name)
+    config, shapes = config_and_shapes(dims, layers)
     net = build_model(config)
     weights = net.sanitize(random_weights(shapes, dtype))
     nbytes = sum(w.nbytes for w in weights.values())
@@ -109,7 +105,19 @@ def worker_ours(args) -> dict:
     read = Weights(
         config=config, tensors={}, quantization={}, generation_config={"eos_token_id": []}
     )
-    model = Model(net, read, dtype, name="27b-random")
+    return Model(net, read, dtype, name="27b-random"), config, nbytes
+
+
+def worker_ours(args) -> dict:
+    import mlx.core as mx
+
+    from qwen38_backend.sampling import SamplingParams
+
+    if args.op_by_op:
+        from qwen38_backend.models.layers import PreNormBlock
+
+        PreNormBlock.compile_decode = False
+    model, config, nbytes = random_model(args.dims, args.layers, args.dtype)
     result = {"weights_bytes": nbytes, "lengths": {}}
     # warm-up: the first prefill compiles kernels (it ran at ~200 tok/s on the H200)
     warm = model.new_state()

@@ -20,30 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_gpu_27b import config_and_shapes, prompt, random_weights  # noqa: E402
-
-
-def build(dims: str, layers: int, dtype_name: str):
-    import mlx.core as mx
-    from mlx.utils import tree_unflatten
-
-    from qwen38_backend.engine import Model
-    from qwen38_backend.loading import Weights
-    from qwen38_backend.models import build_model
-    from qwen38_backend.models.layers import fuse_projections
-
-    dtype = getattr(mx, dtype_name)
-    config, shapes = config_and_shapes(dims, layers)
-    net = build_model(config)
-    weights = net.sanitize(random_weights(shapes, dtype))
-    nbytes = sum(w.nbytes for w in weights.values())
-    net.update(tree_unflatten(list(weights.items())))
-    del weights
-    fuse_projections(net)
-    read = Weights(
-        config=config, tensors={}, quantization={}, generation_config={"eos_token_id": []}
-    )
-    return Model(net, read, dtype, name="27b-random"), config, nbytes
+from bench_gpu_27b import prompt, random_model  # noqa: E402
 
 
 def decode(model, state, first: int, n: int) -> float:
@@ -73,7 +50,7 @@ def main() -> None:
 
     import mlx.core as mx
 
-    model, config, weights_bytes = build(args.dims, args.layers, args.dtype)
+    model, config, weights_bytes = random_model(args.dims, args.layers, args.dtype)
     vocab = config["text_config"]["vocab_size"]
     result = {
         "device": str(mx.default_device()),

@@ -51,17 +51,6 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", action="store_true", help="print usage and speed to stderr")
 
 
-KV_FLAGS = (
-    "kv_paged",
-    "kv_topk",
-    "kv_page_tokens",
-    "kv_sinks",
-    "kv_recent",
-    "kv_pool_tokens",
-    "kv_spill_dir",
-)
-
-
 def _options(args: argparse.Namespace) -> dict:
     opts = dict(
         max_tokens=args.max_tokens,
@@ -72,7 +61,9 @@ def _options(args: argparse.Namespace) -> dict:
         seed=args.seed,
         stop=args.stop,
     )
-    for name in KV_FLAGS:
+    from .kv import KV_OPTION_KEYS
+
+    for name in sorted(KV_OPTION_KEYS):  # each has its --kv-... flag
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.think is not None:

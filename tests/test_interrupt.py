@@ -85,23 +85,14 @@ class Running:
         return self.proc.returncode, "".join(self.out), self.stderr(), elapsed
 
 
+def answering(cli: LLM, model: str) -> Running:
+    """`llm -m MODEL hello` with a long answer ahead of it."""
+    args = [sys.executable, "-m", "llm", "-m", model, "hello", "-o", "think", "false"]
+    return Running(args + ["-o", "max_tokens", "20000"], {**cli.env, "PYTHONUNBUFFERED": "1"})
+
+
 def test_sigint_during_decode_logs_the_partial_turn_and_llm_c_continues(cli, long_tiny):
-    env = {**cli.env, "PYTHONUNBUFFERED": "1"}
-    args = [
-        sys.executable,
-        "-m",
-        "llm",
-        "-m",
-        long_tiny,
-        "hello",
-        "-o",
-        "think",
-        "false",
-        "-o",
-        "max_tokens",
-        "20000",
-    ]
-    run = Running(args, env)
+    run = answering(cli, long_tiny)
     shown = run.wait_for_output()
     code, out, err, elapsed = run.interrupt(within=10)
     assert "terminate called" not in err and code != 134, err
@@ -121,22 +112,7 @@ def test_sigint_during_decode_logs_the_partial_turn_and_llm_c_continues(cli, lon
 
 
 def test_second_sigint_quits_at_once_without_abort(cli, long_tiny):
-    env = {**cli.env, "PYTHONUNBUFFERED": "1"}
-    args = [
-        sys.executable,
-        "-m",
-        "llm",
-        "-m",
-        long_tiny,
-        "hello",
-        "-o",
-        "think",
-        "false",
-        "-o",
-        "max_tokens",
-        "20000",
-    ]
-    run = Running(args, env)
+    run = answering(cli, long_tiny)
     run.wait_for_output()
     code, _, err, _ = run.interrupt(within=15, times=2)
     assert "terminate called" not in err and code not in (134, -6), (code, err)
