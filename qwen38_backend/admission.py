@@ -566,15 +566,6 @@ def plan_verdict(plan: MemoryPlan, available: int | None = None) -> str:
     return "fits"
 
 
-def check_admission(
-    config_or_model: Any, context: int, available: int | None = None, **options: Any
-) -> MemoryPlan:
-    """memory_plan + admit in one call; returns the plan when it fits."""
-    plan = memory_plan(config_or_model, context, **options)
-    admit(plan, available)
-    return plan
-
-
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -631,7 +622,6 @@ __all__ = [
     "MemoryPlan",
     "admit",
     "available_memory",
-    "check_admission",
     "format_plan",
     "kv_bytes_per_token",
     "memory_plan",
