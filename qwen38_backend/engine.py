@@ -18,6 +18,8 @@ from .generation import GenerationStats, TokenStream
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
 from .sampling import Sampler, SamplingParams
 from .session import Session
+from .speculative import SPECULATIVE_KEYS, SpeculativeOptions, decode_greedy, speculation_allowed
+from .speculative import parse_options as parse_speculative
 from .state import SequenceState
 
 
@@ -142,22 +144,29 @@ class Model:
     ) -> TokenStream:
         """Prefill prompt_ids into a fresh state and stream generated token ids."""
         kv_options = {k: sampling.pop(k) for k in list(sampling) if k in KV_OPTION_KEYS}
+        spec = {k: sampling.pop(k) for k in list(sampling) if k in SPECULATIVE_KEYS}
         params = SamplingParams.from_options(max_tokens=max_tokens, **sampling)
         ids = [int(t) for t in prompt_ids]
-        return self.run(ids, self.new_state(**kv_options), params)
+        return self.run(ids, self.new_state(**kv_options), params, parse_speculative(spec))
 
-    def run(self, ids: list[int], state: SequenceState, params: SamplingParams) -> TokenStream:
+    def run(
+        self,
+        ids: list[int],
+        state: SequenceState,
+        params: SamplingParams,
+        speculative: SpeculativeOptions | None = None,
+    ) -> TokenStream:
         """Prefill ids (the part of the prompt not already in `state`) then decode."""
         stats = GenerationStats(prompt_tokens=state.offset + len(ids), cached_tokens=state.offset)
-        return TokenStream(self._run(ids, state, params, stats), stats)
+        return TokenStream(self._run(ids, state, params, stats, speculative), stats)
 
-    def _run(self, ids, state, params, stats) -> Iterator[int]:
+    def _run(self, ids, state, params, stats, speculative=None) -> Iterator[int]:
         t0 = time.perf_counter()
         logits = self.prefill(ids, state)
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            yield from self.decode(logits, state, params, stats)
+            yield from self.decode(logits, state, params, stats, speculative=speculative)
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             stats.kv = collect_kv_stats(state)
@@ -169,10 +178,16 @@ class Model:
         params: SamplingParams,
         stats,
         cancel: threading.Event | None = None,
+        speculative: SpeculativeOptions | None = None,
     ) -> Iterator[int]:
         """Sample from `logits` (the last prefill position) and decode until a stop.
 
-        A set `cancel` ends the stream after the current token (finish_reason "cancelled")."""
+        A set `cancel` ends the stream after the current token (finish_reason "cancelled").
+        `speculative` (n-gram drafts) runs verified rounds where they keep the plain token
+        stream (greedy, unconstrained, dense selection: speculative.py), else plain steps."""
+        if speculative is not None and speculation_allowed(params, state):
+            yield from decode_greedy(self, logits, state, params, stats, speculative, cancel)
+            return
         # an explicit seed starts its own stream; otherwise continue the sequence's RNG
         key = None if params.seed is not None else state.extras.get("rng_key")
         sampler = Sampler(params, key=key)

@@ -18,6 +18,8 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     kv: dict = field(default_factory=dict)  # the KV store's counters (pages, bytes read, ...)
+    # speculative rounds (speculative="ngram"): rounds, drafted, accepted, acceptance_rate
+    speculative: dict = field(default_factory=dict)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -46,6 +48,7 @@ class GenerationStats:
             "prefill_tokens_per_second": self.prefill_tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "kv": dict(self.kv),
+            "speculative": dict(self.speculative),
         }
 
 

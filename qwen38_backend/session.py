@@ -190,11 +190,13 @@ class Session:
         pending: list[StateSnapshot] = []
         stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
         self.last_stats = stats
-        tokens = self._run(ids, req.boundary, state, params, stats, pending, recurrent, cancel)
+        tokens = self._run(
+            ids, req.boundary, state, params, stats, pending, recurrent, cancel, req.speculative
+        )
         yield from self._events(TokenStream(tokens, stats), req, pending)
 
     def _run(
-        self, ids, boundary, state, params, stats, pending, recurrent, cancel
+        self, ids, boundary, state, params, stats, pending, recurrent, cancel, speculative=None
     ) -> Iterator[int]:
         """Engine.run with stops at the message and prompt boundaries to mark / snapshot."""
         t0 = time.perf_counter()
@@ -211,7 +213,9 @@ class Session:
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            yield from self.model.decode(logits, state, params, stats, cancel=cancel)
+            yield from self.model.decode(
+                logits, state, params, stats, cancel=cancel, speculative=speculative
+            )
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             stats.kv = collect_kv_stats(state)
