@@ -5,6 +5,9 @@ force long accepted runs and rejections at every offset, so rollback is really e
 
 from __future__ import annotations
 
+import threading
+
+import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import dense_fixture
@@ -12,7 +15,9 @@ from helpers import dense_fixture
 import qwen38_backend
 from qwen38_backend import speculative
 from qwen38_backend.errors import InvalidOptionError
+from qwen38_backend.generation import GenerationStats
 from qwen38_backend.request import split_options
+from qwen38_backend.sampling import SamplingParams
 from qwen38_backend.speculative import ngram_draft, parse_options
 from qwen38_backend.testing import make_tiny_weights
 
@@ -169,3 +174,70 @@ def test_session_text_and_fallbacks(dense):
     assert session.last_stats.speculative == {}
     text(speculative="ngram", kv_paged="on", kv_topk=64)
     assert session.last_stats.speculative == {}
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    return qwen38_backend.load(str(make_tiny_weights("qwen4_exp", tmp_path_factory.mktemp("q4"))))
+
+
+@pytest.mark.parametrize(
+    ("which", "kv"),
+    [
+        ("dense", {}),
+        ("dense", {"kv_paged": "on", "kv_page_tokens": 4}),
+        ("hybrid", {}),
+        ("flash", {}),
+    ],
+)
+def test_verify_rows_equal_single_steps_on_cpu(request, which, kv):
+    """The premise: a verify forward of T tokens gives, row for row, the logits of T single
+    steps, bit for bit, on the CPU (the paged store and Gated DeltaNet layers included)."""
+    model = request.getfixturevalue(which)
+    prefix, tail = list(range(3, 40)), [7, 8, 9, 10, 11]
+    one = model.new_state(**kv)
+    many = model.new_state(**kv)
+    model.prefill(prefix, one)
+    model.prefill(prefix, many)
+    steps = [np.array(model.forward([t], one)[-1].astype(mx.float32)) for t in tail]
+    rows = np.array(model.forward(tail, many, last_only=False).astype(mx.float32))
+    for i, step in enumerate(steps):
+        assert np.array_equal(rows[i], step), f"row {i} differs"
+
+
+def test_flash_next_past_the_qsa_dense_threshold(flash, oracle):
+    # the tiny config selects 2 blocks of 4 tokens: a 120-token prompt is deep in the sparse
+    # regime, where each verify row selects its own blocks as a single step would
+    prompt = np.random.default_rng(5).integers(3, 200, 120).tolist()
+    plain, _ = run(flash, prompt, 24, stop_token_ids=[])
+    oracle(prompt, plain)
+    spec, stats = run(flash, prompt, 24, stop_token_ids=[], speculative="ngram")
+    assert spec == plain
+    assert 0 < stats.speculative["accepted"] < stats.speculative["drafted"]
+
+
+def test_cancel_ends_after_the_current_token(dense, oracle):
+    prompt = [31, 32, 33, 34]
+    full, _ = run(dense, prompt, 30, stop_token_ids=[])
+    oracle(prompt, full)
+    cancel = threading.Event()
+    stats = GenerationStats()
+    state = dense.new_state()
+    logits = dense.prefill(prompt, state)
+    got = []
+    for token in dense.decode(
+        logits,
+        state,
+        stream_params(30),
+        stats,
+        cancel=cancel,
+        speculative=parse_options({"speculative": "ngram"}),
+    ):
+        got.append(token)
+        if len(got) == 3:
+            cancel.set()
+    assert got == full[:3] and stats.finish_reason == "cancelled"
+
+
+def stream_params(n):
+    return SamplingParams(max_tokens=n, stop_token_ids=[])
