@@ -41,7 +41,8 @@ def test_ngram_draft_takes_the_longest_most_recent_match():
     assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # "2 3" latest first
     assert ngram_draft([1, 2, 3, 4, 8, 3, 4, 6, 2, 3, 4], 3) == [8, 3, 4]  # n=3 beats n=2
     assert ngram_draft([5, 6, 7], 4) == []
-    assert ngram_draft([5, 6, 5], 4) == [6, 5]
+    assert ngram_draft([5, 6, 5], 4) == [6]  # a one-token match proposes one token
+    assert ngram_draft([5, 6, 7, 5, 6], 4) == [7, 5, 6]
     assert ngram_draft([5, 6, 5], 0) == []
 
 
