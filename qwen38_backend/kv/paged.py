@@ -1,21 +1,26 @@
-"""Paged KV store with Quest sparse decode.
+"""Paged KV store with Quest sparse decode: the attention math over a page table.
 
-Layout: one `PagePool` per attention layer holds K and V in the model's KV dtype, stored
-head-major as [kv_heads, slots * page_tokens, head_dim] (`pages_view()` shows the DESIGN
-layout [slots, page_tokens, kv_heads, head_dim] as a view). Why head-major: MLX matmul (the CPU
-SDPA path) copies any operand whose row stride is not its row length, so the token-major layout
-cost a full copy of K and V on every dense decode step (measured); head-major gives each head
-contiguous rows, dense views without copies, and the same bits as ContiguousKV.
-A sequence's `PagedKV` keeps a page table (logical page -> slot), the Quest metadata of its
-sealed pages and the running min/max of its open page.
+Layout: one `PagePool` per attention layer (kv/pool.py) holds K and V in the model's KV
+dtype, stored head-major as [kv_heads, slots * page_tokens, head_dim] (`pages_view()` shows
+the DESIGN layout [slots, page_tokens, kv_heads, head_dim] as a view). Why head-major: MLX
+matmul (the CPU SDPA path) copies any operand whose row stride is not its row length, so the
+token-major layout cost a full copy of K and V on every dense decode step (measured);
+head-major gives each head contiguous rows, dense views without copies, and the same bits
+as ContiguousKV. A sequence's `PagedKV` keeps its `PageTable` (kv/table.py: logical page ->
+slot or spilled, residency, eviction), the Quest metadata of its sealed pages (always
+resident) and the running min/max of its open page.
 
-- Prefill (T > 1) writes into the pages and attends densely over the stored run: with the
-  identity table (the normal case) that is a strided view of the pool, so the dense kernels run
-  unchanged and the math is the same as ContiguousKV.
+- Prefill (T > 1) writes into the pages and attends over the stored run: one fused SDPA while
+  the past is short (with the identity table that is a strided view of the pool, the same
+  math as ContiguousKV), else the blocked walk of kv/blocked.py, which streams spilled
+  blocks from the spill file.
 - Decode (T == 1) either attends densely (the selection would cover every page, or `auto` is
-  below its threshold) or scores sealed pages with the Quest bound, selects per KV head
-  (sinks + recent window + top-k), gathers the selected rows per head into
-  [Hkv, n_sel * page_tokens, D] and runs mx.fast.scaled_dot_product_attention.
+  below its threshold; with spilled pages through the blocked walk) or scores sealed pages
+  with the Quest bound, selects per KV head (sinks + recent window + top-k), makes the
+  selection resident (pinned while misses are fetched), gathers the selected rows per head
+  into [Hkv, n_sel * page_tokens, D] and runs mx.fast.scaled_dot_product_attention.
+- A bounded pool (`pool_pages`) with a spill tier (`spill`, kv/spill.py) writes sealed pages
+  behind and evicts the least recently used; without one a full pool is an AdmissionError.
 """
 
 from __future__ import annotations
