@@ -43,12 +43,18 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072,262144")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--budget", type=int, default=2048, help="Quest kv_topk")
+    ap.add_argument(
+        "--pool-tokens", type=int, default=None, help="kv_pool_tokens: cap the pool (spills)"
+    )
+    ap.add_argument("--spill-dir", default=None, help="kv_spill_dir")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import mlx.core as mx
+
+    from qwen38_backend.kv import collect_kv_stats
 
     model, config, weights_bytes = random_model(args.dims, args.layers, args.dtype)
     vocab = config["text_config"]["vocab_size"]
@@ -62,6 +68,10 @@ def main() -> None:
         "budget": args.budget,
         "lengths": {},
     }
+    kv = {"kv_paged": "on", "kv_topk": args.budget}
+    if args.pool_tokens:
+        kv.update(kv_pool_tokens=args.pool_tokens, kv_spill_dir=args.spill_dir)
+    result["kv_options"] = kv
     warm = model.new_state(kv_paged="on", kv_topk=args.budget)
     mx.eval(model.prefill(prompt(2048, vocab), warm))  # compiles kernels
     del warm
@@ -69,7 +79,7 @@ def main() -> None:
         mx.clear_cache()
         mx.reset_peak_memory()
         base = mx.get_active_memory()
-        state = model.new_state(kv_paged="on", kv_topk=args.budget)
+        state = model.new_state(**kv)
         ids = prompt(length, vocab)
         mx.synchronize()
         t = time.perf_counter()
@@ -82,6 +92,7 @@ def main() -> None:
         first = int(mx.argmax(logits).item())
         state.save_point()  # the Gated DeltaNet state to rewind the Quest tokens to
         quest = decode(model, state, first, args.decode)
+        quest_kv = collect_kv_stats(state)
         state.truncate(length)
         for layer in attention_layers(state):
             layer.budget_pages = 1 << 30  # covers everything: dense attention through pages
@@ -95,6 +106,7 @@ def main() -> None:
             "peak_over_weights_plus_kv": peak / (weights_bytes + kv_bytes),
             "decode_quest_tok_s": quest,
             "decode_dense_tok_s": dense,
+            "quest_kv_stats": {k: v for k, v in quest_kv.items() if "spill" in k or "fetch" in k},
         }
         dense_bytes = weights_bytes + kv_bytes
         row["dense_fraction_of_bound"] = dense * dense_bytes / (args.bound_gbps * 1e9)
