@@ -33,7 +33,6 @@ from .errors import StateFileError
 from .state import StateSnapshot
 from .state_files import SUFFIX, StateFileInfo, read_header, read_state_file, save_state_file
 
-
 DEFAULT_DISK_BYTES = 20 * 1024**3
 DEFAULT_MEMORY_BYTES = 1024**3
 
