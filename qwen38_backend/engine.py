@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import Cancelled, InvalidOptionError
-from .generation import GenerationStats, TokenStream
+from .generation import GenerationStats, TokenStream, stop_reason
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
 from .sampling import Sampler, SamplingParams
 from .session import Session
@@ -216,14 +216,8 @@ class Model:
             if sampler.key is not None:
                 state.extras["rng_key"] = sampler.key
             yield token
-            if token in stop_ids:
-                stats.finish_reason = "stop"
-                return
-            if n >= params.max_tokens:
-                stats.finish_reason = "length"
-                return
-            if cancel is not None and cancel.is_set():
-                stats.finish_reason = "cancelled"
+            stats.finish_reason = stop_reason(token, n, params.max_tokens, stop_ids, cancel)
+            if stats.finish_reason is not None:
                 return
             if next_y is None:
                 next_logits = self.forward([token], state, last_only=True)

@@ -67,3 +67,14 @@ class TokenStream:
 
     def close(self) -> None:
         self._tokens.close()
+
+
+def stop_reason(token: int, n: int, max_tokens: int, stop_ids: set[int], cancel: Any) -> str | None:
+    """Why a stream ends after yielding its n-th token `token` (None: it goes on)."""
+    if token in stop_ids:
+        return "stop"
+    if n >= max_tokens:
+        return "length"
+    if cancel is not None and cancel.is_set():
+        return "cancelled"
+    return None

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import InvalidOptionError
+from .generation import stop_reason
 from .sampling import SamplingParams
 from .state import SequenceState
 
@@ -127,14 +128,8 @@ def decode_greedy(
             n += 1
             stats.generated_tokens = n
             yield token
-            if token in stop_ids:
-                stats.finish_reason = "stop"
-                return
-            if n >= params.max_tokens:
-                stats.finish_reason = "length"
-                return
-            if cancel is not None and cancel.is_set():
-                stats.finish_reason = "cancelled"
+            stats.finish_reason = stop_reason(token, n, params.max_tokens, stop_ids, cancel)
+            if stats.finish_reason is not None:
                 return
         last = pending[-1]
         # never decide more tokens than max_tokens still allows
