@@ -70,8 +70,17 @@ class Model:
     prefill_chunk = default_prefill_chunk()
     default_max_tokens = 4096  # when a call sets none (always cut to what the window leaves)
 
-    def __init__(self, net, weights, dtype: mx.Dtype, name: str | None = None):
+    def __init__(
+        self,
+        net,
+        weights,
+        dtype: mx.Dtype,
+        name: str | None = None,
+        group: mx.distributed.Group | None = None,
+    ):
         self.net = net
+        # the ranks this model is split over (None: whole); every rank runs the same calls
+        self.group = group if group is not None and group.size() > 1 else None
         self.weights = weights  # loading.Weights (its tensors now live in net)
         self.dtype = dtype
         self.tokenizer = weights.tokenizer
@@ -87,6 +96,14 @@ class Model:
             "Model.checkpoint is deprecated; use Model.weights", DeprecationWarning, stacklevel=2
         )
         return self.weights
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else self.group.size()
 
     def _eos_ids(self) -> list[int]:
         ids = self.generation_config.get("eos_token_id")

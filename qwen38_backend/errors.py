@@ -66,6 +66,10 @@ class SpillDiskFullError(SpillError):
     resident-only while its context fits the pool."""
 
 
+class ShardingError(ConfigError):
+    """A model cannot be split over the requested ranks (e.g. heads not divisible)."""
+
+
 def __getattr__(name: str):
     if name == "CheckpointError":  # the name before "state file"; kept for callers that catch it
         import warnings

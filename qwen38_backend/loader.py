@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+
 from .engine import Model
 from .loading import read_weights
 from .loading.demo import is_demo_file
@@ -22,7 +24,10 @@ DEMO_MAX_TOKENS = 512
 
 
 def load_model(
-    path_or_name: str | Path, dtype: str | None = None, keep_quantized: bool | None = None
+    path_or_name: str | Path,
+    dtype: str | None = None,
+    keep_quantized: bool | None = None,
+    group: mx.distributed.Group | None = None,
 ) -> Model:
     path = resolve(str(path_or_name))
     weights = read_weights(path)
@@ -35,10 +40,12 @@ def load_model(
         net.attach_ngram_tables(weights.source)
     compute = parse_dtype(dtype, weights.tensors)
     dequantize = None if keep_quantized is None else not keep_quantized
-    assign_weights(net, weights.tensors, weights.quantization, compute, dequantize=dequantize)
+    assign_weights(
+        net, weights.tensors, weights.quantization, compute, dequantize=dequantize, group=group
+    )
     fuse_projections(net)
     name = str(path_or_name) if not Path(str(path_or_name)).exists() else path.stem
-    model = Model(net, weights, compute, name=name)
+    model = Model(net, weights, compute, name=name, group=group)
     if name == DEMO_NAME or is_demo_file(Path(path)):
         # a 135M model on a CPU: its repetition loops would run for many minutes at 4096
         model.default_max_tokens = DEMO_MAX_TOKENS

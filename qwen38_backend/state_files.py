@@ -99,6 +99,11 @@ def _config_bytes(config: Any) -> bytes:
     return json.dumps(config, sort_keys=True, default=str).encode()
 
 
+def _ranks(model: Any) -> list[int]:
+    """[rank, world size] of a model split over mx.distributed ranks ([0, 1] when whole)."""
+    return [int(getattr(model, "rank", 0)), int(getattr(model, "world_size", 1))]
+
+
 def _dtype_name(model: Any) -> str:
     dtype = getattr(model, "dtype", None)
     return str(dtype) if dtype is not None else "unknown"
@@ -206,6 +211,7 @@ def save_state_file(
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "model_fingerprint": model_fingerprint(model),
+        "ranks": _ranks(model),
         "dtype": _dtype_name(model),
         "n_tokens": len(snap.tokens),
         "tokens": [int(t) for t in snap.tokens],
@@ -336,6 +342,13 @@ def read_state_file(path: str | Path, model: Any) -> StateSnapshot:
         raise StateFileError(f"cannot read state file {path}: {e.strerror or e}") from e
     with f:
         table, meta, start = _read_table(f, path, size)
+        saved, ours = meta.get("ranks", [0, 1]), _ranks(model)
+        if saved != ours:
+            raise StateFileError(
+                f"state file {path} holds the part of rank {saved[0]} of a model split over "
+                f"{saved[1]} rank(s); this process is rank {ours[0]} of {ours[1]}: a state file "
+                "is restored only by the same rank of the same world size"
+            )
         want = model_fingerprint(model)
         if meta["model_fingerprint"] != want:
             raise StateFileError(

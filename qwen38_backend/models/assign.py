@@ -83,6 +83,7 @@ def assign_weights(
     quantization: dict[str, tuple[int, int]],
     dtype: mx.Dtype,
     dequantize: bool | None = None,
+    group: mx.distributed.Group | None = None,
 ) -> None:
     """Sanitize names, check them and their shapes against the module, quantize the named
     modules, cast, assign.
@@ -90,9 +91,12 @@ def assign_weights(
     Consumes `weights` (the dict is emptied): each tensor is cast and evaluated on its own and
     its source dropped, so peak memory stays near the loaded model's size, not source + copy.
     dequantize: None picks `should_dequantize` (CPU and small enough); True / False force it.
+    group: split the model over these ranks (`net.shard`) while the tensors are still lazy,
+    so a rank reads each tensor once and keeps only its part.
     """
     if dequantize is None:
         dequantize = should_dequantize(weights, quantization, dtype)
+    sharded = group is not None and group.size() > 1
     source = weights
     if dequantize and quantization:
         weights, quantization = dequantize_all(weights, quantization, dtype), {}
@@ -107,9 +111,14 @@ def assign_weights(
         w = weights.pop(name)
         if w.dtype in _FLOAT_TYPES and w.dtype != dtype:
             w = w.astype(dtype)
-        mx.eval(w)
+        if sharded is False:
+            mx.eval(w)
         loaded.append((name, w))
     net.update(tree_unflatten(loaded))
+    if sharded:
+        net.shard(group)
+        for _, p in tree_flatten(net.parameters()):
+            mx.eval(p)  # one tensor at a time: its whole source is freed after the cut
 
 
 def _quantize(net: nn.Module, quantization: dict[str, tuple[int, int]]) -> None:

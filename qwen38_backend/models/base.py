@@ -8,6 +8,7 @@ import mlx.nn as nn
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..state import SequenceState
+from .parallel import shard_modules
 
 
 class CausalLM(nn.Module):
@@ -52,6 +53,12 @@ class CausalLM(nn.Module):
             out[name] = w
         return out
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Split this model over the ranks of `group` (after loading, before `fuse`): each
+        sub-module that knows how cuts itself (models/parallel.py); the rest, and the MTP
+        head, stay whole on every rank."""
+        shard_modules(self, group)
+
     # ----- MTP (families with a draft head set self.mtp) ------------------------------------
     @property
     def has_mtp(self) -> bool:
@@ -64,3 +71,21 @@ class CausalLM(nn.Module):
     def make_mtp_state(self):
         self._require_mtp()
         return self.mtp.make_state()
+
+    # ----- features: what the MTP head reads of the trunk (speculative decoding) ------------
+    def features(self, ids: mx.array, state: SequenceState) -> mx.array:
+        """The trunk's output rows [T, ...] for the MTP head (final-normed hidden states)."""
+        return self.hidden(ids, state)
+
+    def logits_from_features(self, features: mx.array) -> mx.array:
+        """Logits of `features` rows: the same ops as __call__, so rows are bit-identical."""
+        return self.logits_from_hidden(features)
+
+    def mtp_advance(self, features: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
+        """Run the head at its next positions on (trunk or chained features [T, ...], ids of
+        the tokens after them [T]); returns its output features (chainable), no logits."""
+        raise NotImplementedError(f"{type(self).__name__} has no MTP draft head")
+
+    def mtp_logits(self, mtp_features: mx.array) -> mx.array:
+        """Draft logits of the head's output features (they predict two tokens ahead)."""
+        raise NotImplementedError(f"{type(self).__name__} has no MTP draft head")

@@ -18,6 +18,7 @@ from ..state import RewindError
 from .gated_delta import CoreSpec, chunked_gated_delta, decode_core, gdn_core, prepare_qk
 from .gated_delta import recurrent_gated_delta as recurrent_gated_delta
 from .layers import can_fuse, fuse_linears, split_outputs
+from .parallel import part_of, ranks, require_divisible, split_outputs_of, summed_over
 
 # tests/test_gpu.py imports `_gdn_core` and `recurrent_gated_delta` from this module; their
 # home is gated_delta.py (these two names are only re-exports)
@@ -225,6 +226,29 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o), conv, recurrent
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Keep this rank's key heads and the value heads that read them (before `fuse`).
+
+        Value head i reads key head i // (Hv / Hk), so equal contiguous cuts of both keep
+        every pair on one rank. q | k | v rows of in_proj_qkv and the conv channels are cut
+        per segment; out_proj's output is summed over the group."""
+        _, size = ranks(group)
+        require_divisible("Gated DeltaNet key heads", self.n_k_heads, size)
+        require_divisible("Gated DeltaNet value heads", self.n_v_heads, size)
+        cuts = (self.key_dim, 2 * self.key_dim)
+        split_outputs_of(self.in_proj_qkv, group, cuts)
+        for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
+            split_outputs_of(self[name], group)
+        self.conv1d.weight = part_of(self.conv1d.weight, 0, group, cuts)
+        self.A_log = part_of(self.A_log, 0, group)
+        self.dt_bias = part_of(self.dt_bias, 0, group)
+        self.out_proj = summed_over(self.out_proj, group)
+        self.n_k_heads //= size
+        self.n_v_heads //= size
+        self.key_dim //= size
+        self.value_dim //= size
+        self.conv_dim //= size
 
     def _project(self, x: mx.array) -> list[mx.array]:
         """qkv, z, b, a: one fused matmul once `fuse()` ran, else four."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
+
 
 class _Derived:
     """A value computed from a parameter, recomputed only when the parameter is replaced.
@@ -219,6 +221,18 @@ class Attention(nn.Module):
         k = self.rope(k.transpose(0, 2, 1, 3), offset)
         return q, k, v.transpose(0, 2, 1, 3), gate
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Keep this rank's heads (tensor parallel; before `fuse`): q/k/v rows cut by head,
+        o_proj's inputs cut and its output summed over the group."""
+        _, size = ranks(group)
+        require_divisible("attention heads", self.n_heads, size)
+        require_divisible("key/value heads", self.n_kv_heads, size)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            split_outputs_of(self[name], group)
+        self.o_proj = summed_over(self.o_proj, group)
+        self.n_heads //= size
+        self.n_kv_heads //= size
+
     def fuse(self) -> None:
         """Replace q/k/v projections by one fused matmul (after loading)."""
         parts = [self.q_proj, self.k_proj, self.v_proj]
@@ -302,6 +316,18 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def shard(self, group: mx.distributed.Group, reduce: bool = True) -> None:
+        """Keep this rank's intermediate columns (before `fuse`); `reduce=False` leaves the
+        sum of the partial outputs to the caller."""
+        _, size = ranks(group)
+        require_divisible("MLP intermediate size", self.gate_proj.weight.shape[0], size)
+        split_outputs_of(self.gate_proj, group)
+        split_outputs_of(self.up_proj, group)
+        if reduce:
+            self.down_proj = summed_over(self.down_proj, group)
+        else:
+            split_inputs_of(self.down_proj, group)
 
     def fuse(self) -> None:
         """gate and up as one matmul (after loading)."""

@@ -14,8 +14,10 @@ import re
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .layers import SwiGLU
+from .parallel import all_sum, part_of, ranks, require_divisible
 
 # Below this many (token, expert) pairs the unsorted gather is cheaper than sorting.
 _SORT_THRESHOLD = 64
@@ -153,12 +155,56 @@ class SparseMoE(nn.Module):
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return route(self.gate(x), self.top_k, self.norm_topk_prob)
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Expert parallel: this rank keeps experts [rank * E/n, (rank + 1) * E/n) and a
+        column share of the shared expert; the router stays whole, so every rank routes
+        alike, and the partial outputs are summed over the group once per call."""
+        rank, size = ranks(group)
+        experts = self.experts
+        require_divisible("experts", experts.num_experts, size)
+        local = experts.num_experts // size
+        for name in ("gate_up_proj", "down_proj"):
+            value = experts[name]
+            if isinstance(value, dict):  # quantized: weight / scales / biases
+                experts[name] = {k: part_of(v, 0, group) for k, v in value.items()}
+            else:
+                experts[name] = part_of(value, 0, group)
+        experts.num_experts = local
+        self.first_expert = rank * local
+        self.shared_expert.shard(group, reduce=False)
+        self.group = group
+
     def __call__(self, x: mx.array) -> mx.array:
         inds, weights = self.route(x)
+        group = getattr(self, "group", None)
+        if group is not None:
+            return all_sum(self._local_experts(x, inds, weights) + self._shared(x), group)
         routed = self.experts(x, inds)  # [T, k, H]
         routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return routed + self._shared(x)
+
+    def _shared(self, x: mx.array) -> mx.array:
+        return mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _local_experts(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
+        """sum over the (token, expert) pairs routed to this rank's experts, [T, H]."""
+        T, k = inds.shape
+        local = inds.astype(mx.int32) - self.first_expert
+        mine = (local >= 0) & (local < self.experts.num_experts)
+        if T * k < _SORT_THRESHOLD:
+            # decode: pairs of other ranks point at expert 0 with weight 0 (no host sync)
+            routed = self.experts(x, mx.where(mine, local, 0).astype(mx.uint32))
+            w = mx.where(mine, weights, 0.0)
+            return (routed * w[..., None].astype(routed.dtype)).sum(axis=1)
+        # prefill: run only this rank's pairs (the others would all pile onto one expert)
+        pairs = mx.array(np.flatnonzero(np.array(mine.reshape(-1))).astype(np.int32))
+        out = mx.zeros((T, x.shape[-1]), x.dtype)
+        if pairs.size == 0:
+            return out
+        tokens = pairs // k
+        routed = self.experts(x[tokens], local.reshape(-1)[pairs][:, None].astype(mx.uint32))
+        w = weights.reshape(-1)[pairs][:, None].astype(routed.dtype)
+        return out.at[tokens].add(routed[:, 0] * w)
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
