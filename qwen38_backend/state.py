@@ -103,6 +103,14 @@ class SequenceState:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def reserve(self, n: int) -> None:
+        """Room for n more tokens in every layer that grows (KV, indexer keys) before they
+        come: a speculative verify's k + 1 rows then append without moving live buffers."""
+        for layer in self.layers:
+            reserve = getattr(layer, "reserve", None)
+            if reserve is not None:
+                reserve(n)
+
     def kinds(self) -> list[str]:
         """state_kind() of every layer (what a snapshot of this sequence can be restored into)."""
         return [state_kind(layer) for layer in self.layers]

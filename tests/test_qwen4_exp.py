@@ -91,8 +91,8 @@ def test_logits_last_only_and_engine_prefill(model):
 
 # ----- QSA selections vs the reference indexer ------------------------------------------------
 def _our_selections(model, ids, monkeypatch):
-    """Run a prefill, capturing each QSA layer's (scores, token mask)."""
-    got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    """Run a prefill, capturing each QSA layer's (scores, token mask) over its query groups."""
+    got: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     scores_seen: list[mx.array] = []
     real_scores = qsa.block_scores
 
@@ -103,22 +103,21 @@ def _our_selections(model, ids, monkeypatch):
 
     monkeypatch.setattr(qsa, "block_scores", spy)
     layers = [i for i, b in enumerate(model.net.model.layers) if not b.is_linear]
-    originals = {}
     for i in layers:
         att = model.net.model.layers[i].self_attn
-        originals[i] = att.selection
 
-        def wrapped(x, st, offset, _i=i, _orig=originals[i], _att=att):
-            sel = _orig(x, st, offset)
-            assert sel is not None
-            blocks, positions = sel
-            mask = qsa.token_mask(blocks, positions, _att.ratio, offset + x.shape[0])
-            got[_i] = (np.array(scores_seen[-1]), np.array(mask))
-            return sel
+        def wrapped(qi, positions, st, _i=i, _orig=att.select, _att=att):
+            blocks = _orig(qi, positions, st)
+            mask = qsa.token_mask(blocks, positions, _att.ratio, st.length)
+            got.setdefault(_i, []).append((np.array(scores_seen[-1]), np.array(mask)))
+            return blocks
 
-        monkeypatch.setattr(att, "selection", wrapped)
+        monkeypatch.setattr(att, "select", wrapped)
     model.net(mx.array(ids, dtype=mx.int32), model.net.make_state())
-    return got
+    return {
+        i: (np.concatenate([s for s, _ in parts]), np.concatenate([m for _, m in parts]))
+        for i, parts in got.items()
+    }
 
 
 @pytest.mark.parametrize("n", (40, 64))
@@ -185,14 +184,14 @@ def test_tied_indexer_selects_lowest_blocks_end_to_end(weights_dir):
     w[4 * 16 :] = 0.0  # the key rows of index_qk_proj
     att.indexer.index_qk_proj.weight = mx.array(w)
     seen = []
-    orig = att.selection
+    orig = att.select
 
-    def spy(x, st, offset):
-        sel = orig(x, st, offset)
-        seen.append(sel)
-        return sel
+    def spy(qi, positions, st):
+        blocks = orig(qi, positions, st)
+        seen.append((blocks, positions))
+        return blocks
 
-    att.selection = spy
+    att.select = spy
     state = m.net.make_state()
     ids = _tokens(40)[:21]
     _feed(m.net, ids[:20], state)
@@ -528,15 +527,3 @@ def test_quantized_experts_match_their_dequantized_weights(T):
     inds = mx.array(rng.integers(0, 8, (T, 2)).astype(np.uint32))
     a, b = np.array(q(x, inds)), np.array(deq(x, inds))
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max() + 1e-3
-
-
-def test_paged_kv_options_are_refused_clearly_for_flash_next(tmp_path):
-    """QSA keeps the contiguous store until the paged QSA store exists: a clear refusal."""
-    import qwen38_backend
-    from qwen38_backend.errors import InvalidOptionError
-    from qwen38_backend.testing import make_tiny_weights
-
-    model = qwen38_backend.load(make_tiny_weights("qwen4_exp", tmp_path / "m", seed=1))
-    with pytest.raises(InvalidOptionError, match="QSA"):
-        model.new_state(kv_paged="on")
-    assert len(list(model.generate_tokens([1, 2, 3], max_tokens=3, stop_token_ids=[]))) == 3

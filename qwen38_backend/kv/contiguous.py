@@ -43,6 +43,20 @@ class ContiguousKV:
         self.values[..., start:end, :] = v
         self.length = end
 
+    def store(self, k: mx.array, v: mx.array) -> None:
+        """Append k/v [1, kv_heads, T, head_dim] without attending (QSA gathers after)."""
+        self.append(k, v)
+
+    def gather(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V rows at `positions` (int array of any shape S, each < length) as
+        [kv_heads, *S, head_dim]."""
+        return mx.take(self.keys[0], positions, axis=1), mx.take(self.values[0], positions, axis=1)
+
+    def reserve(self, n: int) -> None:
+        """Capacity for n more rows now, so appending them later moves no buffer."""
+        if self.keys is not None:
+            self._reserve(self.keys, self.values, self.length + n)
+
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """Append k/v, then causal attention of q (the newest T positions) over everything."""
         past = self.length

@@ -19,6 +19,10 @@ resident) and the running min/max of its open page.
   with the Quest bound, selects per KV head (sinks + recent window + top-k), makes the
   selection resident (pinned while misses are fetched), gathers the selected rows per head
   into [Hkv, n_sel * page_tokens, D] and runs mx.fast.scaled_dot_product_attention.
+- QSA layers (models/qsa.py) select with their own indexer: they set `quest = False` (no
+  Quest metadata, decode dense through `attend` while the model says so), write with
+  `store` and read their selection with `gather(positions)`, which makes the pages
+  resident (pinned while spilled misses are fetched) and reads rows through the table.
 - A bounded pool (`pool_pages`) with a spill tier (`spill`, kv/spill.py) writes sealed pages
   behind and evicts the least recently used; without one a full pool is an AdmissionError.
 """
@@ -51,6 +55,7 @@ class PagedKV:
 
     can_truncate = True
     profile = False
+    quest = True  # Quest metadata and selection; False where the model selects (QSA)
     block_tokens = BLOCK_TOKENS  # prefill walks a longer past in blocks (kv/blocked.py)
 
     def __init__(
@@ -177,7 +182,7 @@ class PagedKV:
         if todo:
             self.table.write_behind(todo)
 
-    def append(self, kr: mx.array, vr: mx.array, meta: bool = True) -> None:
+    def append(self, kr: mx.array, vr: mx.array, meta: bool | None = None) -> None:
         """Write rows kr/vr [Hkv, T, D] at the end; seal the pages they fill.
 
         Metadata comes from the rows being written (plus the open page's running min/max),
@@ -186,6 +191,7 @@ class PagedKV:
         """
         P = self.page_tokens
         T = kr.shape[1]
+        meta = self.quest if meta is None else meta
         self.pool.bind(kr, vr)
         self._write_behind()
         done = 0
@@ -347,10 +353,49 @@ class PagedKV:
     def selection_size(self) -> tuple[int, int]:
         """(pages in the context, pages a decode step would select)."""
         n_pages = len(self.table)
-        if self.length < self.sparse_from:
+        if self.length < self.sparse_from or not self.quest:
             return n_pages, n_pages
         _, n_forced = forced_pages(n_pages, self.sink_pages, self.recent_pages)
         return n_pages, min(n_pages, max(self.budget_pages, n_forced))
+
+    # ----- the model's own selection (QSA) ---------------------------------------------------
+    def store(self, k: mx.array, v: mx.array) -> None:
+        """Append k/v [1, Hkv, T, D] without attending (the caller gathers its selection)."""
+        self.append(k[0], v[0])
+
+    def gather(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V rows at token `positions` (int array of any shape S, each < length) as
+        [Hkv, *S, D]. Spilled pages among them are fetched first (resident ones pinned, so
+        the fetches cannot evict them); with a bounded pool at most `gather_limit()` pages."""
+        P = self.page_tokens
+        pinned: list[int] = []
+        if self.table.n_spilled:
+            pinned = self._resident_selection(positions // P)
+        rows = positions if self.table.identity else self.table.array()[positions // P] * P
+        if not self.table.identity:
+            rows = rows + positions % P
+        keys = mx.take(self.pool.k, rows, axis=1)
+        values = mx.take(self.pool.v, rows, axis=1)
+        if pinned:  # the gathers read this version of the pool: later writes cannot reach it
+            self.pool.unpin(pinned)
+            self.pool.touch(pinned)
+        return keys, values
+
+    def gather_limit(self) -> int | None:
+        """Pages one gather may make resident at once (half a bounded pool: the open page
+        and the next writes need room too); None when the pool is unbounded."""
+        if self.pool.max_pages is None:
+            return None
+        return max(self.pool.max_pages // 2, 1)
+
+    def reserve(self, n: int) -> None:
+        """Slots for n more rows now (growing the pool within its bound), so appending them
+        (a speculative verify's rows) moves no live buffer."""
+        if self.pool.k is None:
+            return  # nothing written yet: the first write sizes the pool
+        need = -(-(self.length + n) // self.page_tokens) - len(self.table)
+        if need > 0:
+            self.pool.reserve(need, self.pool.k, self.pool.v)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """Append k/v [1, Hkv, T, D], then causal attention of q [1, Hq, T, D] over the pages."""
@@ -376,6 +421,22 @@ class PagedKV:
 
     def _block(self) -> int:
         return max(self.block_tokens // self.page_tokens, 1) * self.page_tokens
+
+    def dense_through(self, length: int) -> bool:
+        """Whether a decode step at every context length from now up to `length` tokens reads
+        every page (Quest selects all of them, or `auto` is below its threshold): the span
+        where a verify of several tokens, which attends densely, equals single steps
+        (speculative.py's gate)."""
+        if self.always_select:
+            return False
+        for n in range(self.length + 1, length + 1):
+            if n < self.sparse_from:
+                continue
+            n_pages = -(-n // self.page_tokens)
+            _, n_forced = forced_pages(n_pages, self.sink_pages, self.recent_pages)
+            if max(self.budget_pages, n_forced) < n_pages:
+                return False
+        return True
 
     def select(self, q: mx.array, n_sel: int) -> mx.array:
         """Selected logical pages per KV head, int32 [Hkv, n_sel] ascending. q: [Hq, D]."""
@@ -468,9 +529,11 @@ class PagedKV:
             "values": mx.array(values[0]),
             "page_table": mx.array(self.table.slots, dtype=mx.int32),
             "page_tokens": mx.array(self.page_tokens, dtype=mx.int32),
-            "quest_min": mx.array(self.kmin[:, :n_sealed]),
-            "quest_max": mx.array(self.kmax[:, :n_sealed]),
         }
+        if not self.quest:
+            return snap
+        snap["quest_min"] = mx.array(self.kmin[:, :n_sealed])
+        snap["quest_max"] = mx.array(self.kmax[:, :n_sealed])
         if self.open_min is not None:
             snap["open_min"], snap["open_max"] = self.open_min, self.open_max
         return snap
@@ -481,6 +544,11 @@ class PagedKV:
             return
         keys, values = tensors["keys"], tensors["values"]
         same_pages = int(tensors["page_tokens"].item()) == self.page_tokens
+        if not self.quest:
+            self.append(keys, values, meta=False)
+            return
+        if "quest_min" not in tensors:  # written by a store without Quest: recompute
+            same_pages = False
         # With another page size the metadata is recomputed from the rows being written.
         self.append(keys, values, meta=not same_pages)
         if same_pages:
@@ -516,7 +584,7 @@ class PagedKV:
             self.pool.k[:, rows] = from_host(k, self.pool.k.dtype)
             self.pool.v[:, rows] = from_host(v, self.pool.v.dtype)
             self.table.place([cut], slot)
-        if cut is not None:
+        if cut is not None and self.quest:
             # Rewind is rare and the page is partial: its running min/max is rebuilt from its
             # live rows (the only time the pool is re-read).
             part = self._span(cut * P, length)[0].astype(mx.float32)

@@ -7,6 +7,12 @@ while nvis <= n_blocks (budget // ratio: dense), else the n_blocks best by
 sum_h relu(q_h . k_b) / sqrt(d) in fp32, ties to the LOWER block id;
 plus the causal tail 4 * nvis .. p. The functions here are pure so a
 paged store can call them; `QSAState` keeps the indexer tensors beside a KV store.
+
+Attention past the dense threshold GATHERS each query's tokens (n_blocks * ratio selected
+plus a causal tail of at most ratio - 1) through the store's `gather(positions)`: its cost
+per token does not grow with the context. Prefill queries go in groups sized so that one
+group's gathered K/V and block scores stay near GATHER_BYTES; a query's token set is padded
+to the fixed width n_blocks * ratio + ratio - 1 and the padding masked out.
 """
 
 from __future__ import annotations
@@ -16,7 +22,15 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..state import RewindError
 from .layers import Attention, RMSNorm, RopeSpec
+
+# Scratch of one prefill query group: gathered K/V plus the block scores of its queries.
+GATHER_BYTES = 64 << 20
+# Live fp32 [G, NB] arrays per query while one group selects (scores, masked scores, the
+# tie cumsum, the boolean choice): what admission counts per query of a group, besides the
+# per-head scores [G, Hi, NB].
+SELECT_ROWS_LIVE = 4
 
 
 # ----- rope at arbitrary positions -------------------------------------------------------------
@@ -85,6 +99,30 @@ def token_mask(blocks: mx.array, positions: mx.array, ratio: int, length: int) -
     return tok | ((j >= start) & (j <= positions[:, None]))
 
 
+def token_ids(
+    blocks: mx.array, positions: mx.array, ratio: int, n_blocks: int
+) -> tuple[mx.array, mx.array]:
+    """Each query's token ids as a fixed-width [T, n_blocks * ratio + ratio - 1] int32 array
+    and its validity mask: the tokens of its chosen blocks (at most n_blocks True per row of
+    `blocks` [T, NB]; fewer while a query is dense), then its causal tail 4 * nvis .. p.
+    Invalid slots hold id 0 (a real row, masked out)."""
+    T, nb = blocks.shape
+    k = min(n_blocks, nb)
+    # The chosen blocks sort first (key 0); a row with fewer than k takes unchosen ones too,
+    # which the validity check drops.
+    order = mx.argpartition((~blocks).astype(mx.int32), kth=k - 1, axis=-1)[:, :k]
+    valid_b = mx.take_along_axis(blocks, order, axis=-1)
+    steps = mx.arange(ratio, dtype=mx.int32)
+    ids = (order.astype(mx.int32)[:, :, None] * ratio + steps).reshape(T, k * ratio)
+    valid = mx.repeat(valid_b, ratio, axis=1)
+    start = (positions + 1) // ratio * ratio
+    tail = start[:, None].astype(mx.int32) + steps[None, : ratio - 1]
+    tail_ok = tail <= positions[:, None]
+    ids = mx.concatenate([ids, tail], axis=1)
+    valid = mx.concatenate([valid, tail_ok], axis=1)
+    return mx.where(valid, ids, 0), valid
+
+
 def token_indices(chosen: mx.array, position: int, ratio: int, n_blocks: int) -> mx.array:
     """One query's token ids (decode): chosen [NB] boolean with n_blocks True, then the tail."""
     nvis = (position + 1) // ratio
@@ -98,14 +136,27 @@ def token_indices(chosen: mx.array, position: int, ratio: int, n_blocks: int) ->
 
 # ----- per-sequence indexer state ----------------------------------------------------------------
 class QSAState:
-    """A KV store plus raw indexer keys per token and pooled keys per complete block."""
+    """A KV store plus raw indexer keys per token and pooled keys per complete block.
 
+    The store is any KV store with `attend`, `store` (append without attending), `gather`
+    and `reserve` (kv/contiguous.py, kv/paged.py); on the paged store the indexer selects,
+    so the store's own Quest selection and metadata are switched off. Raw keys are kept from
+    `raw_base` on (every row of a live sequence, so a rewind can re-pool a block it cuts
+    open); a snapshot keeps only the open block's raw rows and the completed pooled blocks,
+    so a restored state holds raw rows from its open block on.
+    """
+
+    state_kind = "QSAState"
+    state_version = 2  # v2: raw rows of the open block only
     step = 256
 
     def __init__(self, kv, ratio: int):
+        if hasattr(kv, "quest"):
+            kv.quest = False
         self.kv = kv
         self.ratio = ratio
-        self.raw: mx.array | None = None  # [capacity, D]
+        self.raw: mx.array | None = None  # [capacity, D]: row i is token raw_base + i
+        self.raw_base = 0
         self.length = 0
         self.pooled: mx.array | None = None  # [capacity_blocks, D]
         self.n_blocks = 0
@@ -114,31 +165,43 @@ class QSAState:
     def can_truncate(self) -> bool:  # type: ignore[override]
         return getattr(self.kv, "can_truncate", True)
 
+    def _grown(self, buf: mx.array | None, used: int, need: int, like: mx.array) -> mx.array:
+        cap = 0 if buf is None else buf.shape[0]
+        if need <= cap:
+            return buf
+        grow = mx.zeros((-(-(need - cap) // self.step) * self.step, like.shape[1]), like.dtype)
+        return grow if buf is None else mx.concatenate([buf[:used], grow])
+
     def append_raw(self, keys: mx.array) -> None:
-        end = self.length + keys.shape[0]
-        cap = 0 if self.raw is None else self.raw.shape[0]
-        if end > cap:
-            grow = mx.zeros((-(-(end - cap) // self.step) * self.step, keys.shape[1]), keys.dtype)
-            self.raw = grow if self.raw is None else mx.concatenate([self.raw[: self.length], grow])
-        self.raw[self.length : end] = keys
-        self.length = end
+        used = self.length - self.raw_base
+        end = used + keys.shape[0]
+        self.raw = self._grown(self.raw, used, end, keys)
+        self.raw[used:end] = keys
+        self.length += keys.shape[0]
+
+    def raw_rows(self, start: int, end: int) -> mx.array:
+        """Raw keys of tokens [start, end) (start >= raw_base)."""
+        return self.raw[start - self.raw_base : end - self.raw_base]
 
     def append_pooled(self, kb: mx.array) -> None:
         end = self.n_blocks + kb.shape[0]
-        cap = 0 if self.pooled is None else self.pooled.shape[0]
-        if end > cap:
-            n = -(-(end - cap) // self.step) * self.step
-            grow = mx.zeros((n, kb.shape[1]), kb.dtype)
-            self.pooled = (
-                grow
-                if self.pooled is None
-                else mx.concatenate([self.pooled[: self.n_blocks], grow])
-            )
+        self.pooled = self._grown(self.pooled, self.n_blocks, end, kb)
         self.pooled[self.n_blocks : end] = kb
         self.n_blocks = end
 
     def blocks(self) -> mx.array:
         return self.pooled[: self.n_blocks]
+
+    def reserve(self, n: int) -> None:
+        """Room for n more tokens in every buffer, so that appending them (a speculative
+        verify's rows) grows nothing and moves no live buffer."""
+        self.kv.reserve(n)
+        if self.raw is not None:
+            used = self.length - self.raw_base
+            self.raw = self._grown(self.raw, used, used + n, self.raw)
+        if self.pooled is not None:
+            need = (self.length + n) // self.ratio
+            self.pooled = self._grown(self.pooled, self.n_blocks, need, self.pooled)
 
     def arrays(self) -> list[mx.array]:
         out = [a for a in (self.raw, self.pooled) if a is not None]
@@ -147,18 +210,23 @@ class QSAState:
             return out + list(kv_arrays())
         return out + [v for v in vars(self.kv).values() if isinstance(v, mx.array)]
 
-    def nbytes(self) -> int:
-        n = self.kv.nbytes()
+    def index_nbytes(self) -> int:
+        """Bytes of the live raw rows and pooled blocks."""
+        n = 0
         if self.raw is not None:
-            n += self.length * self.raw.shape[1] * self.raw.itemsize
+            n += (self.length - self.raw_base) * self.raw.shape[1] * self.raw.itemsize
         if self.pooled is not None:
             n += self.n_blocks * self.pooled.shape[1] * self.pooled.itemsize
         return n
 
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + self.index_nbytes()
+
     def snapshot(self) -> dict[str, mx.array]:
         snap = {f"kv.{k}": v for k, v in self.kv.snapshot().items()}
-        if self.length:
-            snap["index_raw"] = mx.array(self.raw[: self.length])
+        open_from = self.n_blocks * self.ratio  # == length // ratio * ratio
+        if self.length > open_from:
+            snap["index_raw"] = mx.array(self.raw_rows(open_from, self.length))
         if self.n_blocks:
             snap["index_pooled"] = mx.array(self.pooled[: self.n_blocks])
         return snap
@@ -166,16 +234,25 @@ class QSAState:
     def restore(self, tensors: dict[str, mx.array]) -> None:
         self.kv.restore({k[3:]: v for k, v in tensors.items() if k.startswith("kv.")})
         self.raw, self.length, self.pooled, self.n_blocks = None, 0, None, 0
-        if "index_raw" in tensors:
-            self.append_raw(tensors["index_raw"])
         if "index_pooled" in tensors:
             self.append_pooled(tensors["index_pooled"])
+        self.raw_base = self.length = self.n_blocks * self.ratio
+        if "index_raw" in tensors:
+            self.append_raw(tensors["index_raw"])
 
     def truncate(self, length: int) -> None:
+        length = min(self.length, length)
+        cut = length // self.ratio * self.ratio
+        if length > cut and cut < self.raw_base:
+            raise RewindError(
+                f"QSA layer restored at token {self.raw_base} holds no raw indexer keys "
+                f"before it: cannot truncate to {length} (inside block {cut // self.ratio})"
+            )
         self.kv.truncate(length)
-        self.length = min(self.length, length)
+        self.length = length
+        self.raw_base = min(self.raw_base, cut)
         # a block cut open again is re-pooled when its last token comes back
-        self.n_blocks = min(self.n_blocks, self.length // self.ratio)
+        self.n_blocks = min(self.n_blocks, length // self.ratio)
 
 
 # ----- the layer ----------------------------------------------------------------------------------
@@ -220,6 +297,11 @@ class QSAAttention(Attention):
         self.indexer = Indexer(hidden, index_heads, index_dim, eps)
         self.ratio, self.n_blocks = ratio, budget // ratio  # blocks a query may select
 
+    @property
+    def width(self) -> int:
+        """Tokens one sparse query attends at most: its blocks plus the causal tail."""
+        return self.n_blocks * self.ratio + self.ratio - 1
+
     def index(self, x: mx.array, st: QSAState, offset: int) -> tuple[mx.array, mx.array]:
         """Cache raw keys and new pooled blocks; return (roped queries [T, Hi, D], positions)."""
         T = x.shape[0]
@@ -233,43 +315,64 @@ class QSAAttention(Attention):
         complete = st.length // self.ratio
         if complete > st.n_blocks:
             first = st.n_blocks
-            raw = st.raw[first * self.ratio : complete * self.ratio]
+            raw = st.raw_rows(first * self.ratio, complete * self.ratio)
             st.append_pooled(
                 pool_blocks(raw, first, self.ratio, ix.k_layernorm, self.rope.dims, self.rope.theta)
             )
         return qi, positions
 
-    def selection(self, x: mx.array, st: QSAState, offset: int) -> tuple[mx.array, mx.array] | None:
-        """(chosen blocks [T, NB], positions [T]), or None when every query is dense."""
-        qi, positions = self.index(x, st, offset)
-        T = x.shape[0]
-        if (offset + T) // self.ratio <= self.n_blocks:
-            return None
-        scores = block_scores(qi, st.blocks())
-        return select_blocks(scores, positions, self.ratio, self.n_blocks), positions
+    def select(self, qi: mx.array, positions: mx.array, st: QSAState) -> mx.array:
+        """Chosen blocks [T, NB] of queries qi [T, Hi, D] at `positions` (sparse regime)."""
+        return select_blocks(block_scores(qi, st.blocks()), positions, self.ratio, self.n_blocks)
 
     def __call__(self, x: mx.array, st: QSAState, offset: int) -> mx.array:
         T = x.shape[0]
-        sel = self.selection(x, st, offset)
+        qi, positions = self.index(x, st, offset)
         q, k, v, gate = self.project_qkv(x, offset)
-        if sel is None:
+        if (offset + T) // self.ratio <= self.n_blocks:  # every query is dense
             out = st.kv.attend(q, k, v, self.scale)
         else:
-            blocks, positions = sel
-            out = _attend_selected(st.kv, q, k, v, self.scale, blocks, positions, self)
+            st.kv.store(k, v)
+            out = self._attend_selected(q, qi, positions, st, offset)
         out = out.transpose(0, 2, 1, 3).reshape(T, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 
+    def group_size(self, T: int, n_blocks_stored: int, kv_item: int) -> int:
+        """Queries per gather group: their K/V rows and block scores near GATHER_BYTES."""
+        per_query = 2 * self.n_kv_heads * self.width * self.head_dim * kv_item
+        per_query += (self.indexer.n_heads + SELECT_ROWS_LIVE) * n_blocks_stored * 4
+        return max(1, min(T, GATHER_BYTES // per_query))
 
-def _attend_selected(kv, q, k, v, scale, blocks, positions, layer: QSAAttention) -> mx.array:
-    """Append k/v to the contiguous store, attend each query over its selected tokens only."""
-    T = q.shape[2]
-    kv.append(k, v)
-    keys, values = kv.keys[..., : kv.length, :], kv.values[..., : kv.length, :]
-    if T == 1:
-        idx = token_indices(blocks[0], kv.length - 1, layer.ratio, layer.n_blocks)
-        return mx.fast.scaled_dot_product_attention(
-            q, keys[..., idx, :], values[..., idx, :], scale=scale
-        )
-    mask = token_mask(blocks, positions, layer.ratio, kv.length)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    def _attend_selected(
+        self, q: mx.array, qi: mx.array, positions: mx.array, st: QSAState, offset: int
+    ) -> mx.array:
+        """Each query over its gathered token set: [1, Hq, T, D]."""
+        T = q.shape[2]
+        if T == 1:  # decode: exactly n_blocks blocks plus a tail known on the host
+            chosen = self.select(qi, positions, st)[0]
+            idx = token_indices(chosen, offset, self.ratio, self.n_blocks)
+            keys, values = st.kv.gather(idx)
+            return mx.fast.scaled_dot_product_attention(
+                q, keys[None], values[None], scale=self.scale
+            )
+        G = self.group_size(T, st.n_blocks, q.dtype.size)
+        limit = getattr(st.kv, "gather_limit", None)
+        if limit is not None:  # a bounded pool pins one group's pages at once
+            G = max(1, min(G, limit() // (self.n_blocks + 1)))
+        outs = []
+        for a in range(0, T, G):
+            b = min(a + G, T)
+            pos = positions[a:b]
+            ids, valid = token_ids(self.select(qi[a:b], pos, st), pos, self.ratio, self.n_blocks)
+            keys, values = st.kv.gather(ids)  # [Hkv, g, W, D]
+            out = mx.fast.scaled_dot_product_attention(
+                q[0, :, a:b, None].swapaxes(0, 1),  # [g, Hq, 1, D]: one batch row per query
+                keys.swapaxes(0, 1),
+                values.swapaxes(0, 1),
+                scale=self.scale,
+                mask=valid[:, None, None, :],
+            )
+            outs.append(out[:, :, 0].swapaxes(0, 1)[None])  # [1, Hq, g, D]
+            if len(outs) % 4 == 0 and b < T:
+                mx.eval(outs[-1])  # bound the lazy graph to a few groups' scratch
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)

@@ -82,6 +82,18 @@ def _rope(cfg: Qwen4ExpConfig) -> RopeSpec:
     return RopeSpec(cfg.rotary_dims, cfg.rope_theta)
 
 
+def _checked_store(store, cfg: Qwen4ExpConfig):
+    """A QSA layer's KV store: a paged one needs whole blocks per page (a block never
+    straddles two pages, so a selected block is one page's rows)."""
+    page = getattr(store, "page_tokens", None)
+    if page is not None and page % cfg.indexer_compress_ratio:
+        raise InvalidOptionError(
+            f"kv_page_tokens={page}: Flash-Next (qwen4_exp) needs a multiple of "
+            f"indexer_compress_ratio ({cfg.indexer_compress_ratio}) so QSA blocks fill pages"
+        )
+    return store
+
+
 class Qwen4ExpBlock(nn.Module):
     def __init__(self, cfg: Qwen4ExpConfig, layer_type: str, ple_index: int | None = None):
         super().__init__()
@@ -128,14 +140,7 @@ class Qwen4ExpBlock(nn.Module):
     def make_state(self, cfg: Qwen4ExpConfig, kv_factory):
         if not self.is_linear:
             store = kv_factory()
-            if not isinstance(store, ContiguousKV):
-                # QSA reads its own token sets out of the store; the paged QSA store is the
-                # long-context issue's work, not done yet
-                raise InvalidOptionError(
-                    "Flash-Next (qwen4_exp) selects with its own QSA indexer over the "
-                    "contiguous KV store; kv_paged/kv_topk options are not supported for it yet"
-                )
-            return QSAState(store, cfg.indexer_compress_ratio)
+            return QSAState(_checked_store(store, cfg), cfg.indexer_compress_ratio)
         if self.has_ple:
             return PLEMixerState(GatedDeltaNetState(), self.ple.make_state())
         return GatedDeltaNetState()
@@ -206,6 +211,20 @@ class Qwen4ExpModel(CausalLM):
         """MTP draft logits [T, vocab] from trunk residuals [T, hc*hidden] (see Qwen4ExpMTP)."""
         self._require_mtp()
         return self.mtp.draft_logits(residual, next_tokens, mtp_state, self)
+
+    def features(self, ids: mx.array, state: SequenceState) -> mx.array:
+        return self.residual(ids, state)
+
+    def logits_from_features(self, features: mx.array) -> mx.array:
+        return self.logits_from_residual(features)
+
+    def mtp_advance(self, features: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
+        self._require_mtp()
+        embeds = self.model.embed_tokens(next_tokens.reshape(-1))
+        return self.mtp.residual(features, embeds, mtp_state)
+
+    def mtp_logits(self, mtp_features: mx.array) -> mx.array:
+        return self.logits_from_hidden(self.mtp.hyper_connection_mixer.read(mtp_features))
 
     # ----- weights -------------------------------------------------------------------------
     def ple_layers(self) -> list[tuple[int, PLELayer]]:
