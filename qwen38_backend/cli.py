@@ -1,4 +1,4 @@
-"""The `qwen38` command: run, chat, info, add, models, fetch-demo, make-tiny."""
+"""The `qwen38` command: run, chat, serve, info, add, models, fetch-demo, make-tiny."""
 
 from __future__ import annotations
 
@@ -163,6 +163,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": answer})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import serve
+
+    return serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        sessions=args.sessions,
+        max_queue=args.max_queue,
+        quiet=args.quiet,
+    )
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from .info import describe
 
@@ -225,6 +239,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     _add_generation_flags(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible chat endpoint (all ranks under mlx.launch)",
+    )
+    p.add_argument("model", help="registry name (e.g. qwen38-demo) or path")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (rank 0)")
+    p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
+    p.add_argument("--dtype", default=None, help="compute dtype: float32, bfloat16, float16")
+    p.add_argument(
+        "--sessions", type=int, default=2, help="live conversations kept in memory (LRU)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=16, help="calls that may wait; more are refused (503)"
+    )
+    p.add_argument("--quiet", action="store_true", help="do not log each HTTP request")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="architecture, parameters, dtype, bytes, context")
     p.add_argument("model")

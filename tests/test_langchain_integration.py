@@ -336,7 +336,7 @@ def test_prefix_reuse_across_turns(tiny: ChatQwen38) -> None:
 
 def _live_tokens(model: str) -> int:
     shared = shared_model(model)
-    return shared.call(lambda: max(s.state.offset for s in shared._sessions if s.state))
+    return shared.call(lambda: max(s.state.offset for s in shared._pool.sessions if s.state))
 
 
 def test_breaking_a_stream_stops_generation() -> None:

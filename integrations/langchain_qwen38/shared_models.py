@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from qwen38_backend.engine import Model
-from qwen38_backend.session import Session, common_prefix
+from qwen38_backend.session import Session
+from qwen38_backend.session_pool import SessionPool
 from qwen38_backend.worker import engine_thread
 
 T = TypeVar("T")
@@ -49,7 +50,7 @@ class SharedModel:
         self.name = name
         self.model: Model | None = None
         self._worker = engine_thread()
-        self._sessions: list[Session] = []  # least recently used first
+        self._pool: SessionPool | None = None
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Run fn on the engine thread."""
@@ -69,31 +70,21 @@ class SharedModel:
     def acquire_session(self, ids: list[int]) -> Session:
         """The session that can reuse the most of `ids` (engine thread only)."""
         assert self.model is not None
-        best, best_len = None, 0
-        for s in self._sessions:
-            if s.state is None:
-                continue
-            n = common_prefix(s.state.tokens, ids)
-            if n > best_len:
-                best, best_len = s, n
-        if best is None:
-            if len(self._sessions) < SESSIONS_PER_MODEL:
-                best = self.model.session()
-            else:
-                best = self._sessions.pop(0)  # reuse the least recently used one
-        else:
-            self._sessions.remove(best)
-        self._sessions.append(best)
-        return best
+        if self._pool is None:
+            self._pool = SessionPool(self.model.session, SESSIONS_PER_MODEL)
+        return self._pool.acquire(ids)
 
     def close(self) -> None:
         """Drop the model and live states (the engine thread stays, see worker.py)."""
-        self.submit(self._sessions.clear)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            self.submit(pool.clear)
         self.model = None
 
     def reset(self) -> None:
         """Forget every live state (their memory is freed with them)."""
-        self.call(self._sessions.clear)
+        if self._pool is not None:
+            self.call(self._pool.clear)
 
 
 _SHARED: dict[tuple[str, str | None], SharedModel] = {}
