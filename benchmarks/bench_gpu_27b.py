@@ -84,8 +84,9 @@ def _median(values: list[float]) -> dict:
 
 
 # ----- workers ---------------------------------------------------------------------------------
-def random_model(dims: str, layers: int, dtype_name: str):
-    """(Model, config, weight bytes): the family built with device-side random weights."""
+def random_model(dims: str, layers: int, dtype_name: str, group=None):
+    """(Model, config, weight bytes): the family built with device-side random weights;
+    split over `group`'s ranks when given (the same weights on every rank, then cut)."""
     import mlx.core as mx
     from mlx.utils import tree_unflatten
 
@@ -101,11 +102,15 @@ def random_model(dims: str, layers: int, dtype_name: str):
     nbytes = sum(w.nbytes for w in weights.values())
     net.update(tree_unflatten(list(weights.items())))
     del weights
+    if group is not None and group.size() > 1:
+        net.shard(group)
+        mx.eval(net.parameters())
+        mx.clear_cache()
     fuse_projections(net)
     read = Weights(
         config=config, tensors={}, quantization={}, generation_config={"eos_token_id": []}
     )
-    return Model(net, read, dtype, name="27b-random"), config, nbytes
+    return Model(net, read, dtype, name="27b-random", group=group), config, nbytes
 
 
 def worker_ours(args) -> dict:
