@@ -114,11 +114,12 @@ def speed(args, group) -> dict:
             mx.clear_cache()
         per_token = bytes_per_token(config, nbytes, length + args.decode // 2, itemsize)
         rate = statistics.median(dec)
+        bound = group.size() * args.bound_gbps * 1e9
         out["lengths"][str(length)] = {
             "prefill_tok_s": median(pre),
             "decode_tok_s": median(dec),
             "bytes_per_token_all_ranks": per_token,
-            "fraction_of_aggregate_bound": per_token * rate / (group.size() * args.bound_gbps * 1e9),
+            "fraction_of_aggregate_bound": per_token * rate / bound,
             "peak_memory_bytes_rank0": mx.get_peak_memory(),
         }
     hidden = config["text_config"]["hidden_size"]
