@@ -27,12 +27,25 @@ PROMPT = [(i * 7) % 50 + 3 for i in range(40)]
 TOKENS = 8
 
 
+# ring between local processes on a CPU; QWEN38_TEST_BACKEND=nccl runs the same tests with one
+# GPU per rank
+BACKEND = os.environ.get("QWEN38_TEST_BACKEND", "ring")
+
+
+def launcher() -> list[str]:
+    found = shutil.which("mlx.launch") or Path(sys.executable).parent / "mlx.launch"
+    if Path(found).exists():
+        return [str(found)]
+    return [sys.executable, "-m", "mlx._distributed_utils.launch"]  # what mlx.launch runs
+
+
 def launch(n: int, model: Path, out: Path, paged: bool) -> dict:
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
-    cmd = [launcher, "-n", str(n), "--backend", "ring", "--", sys.executable, str(WORKER)]
+    cmd = launcher() + ["-n", str(n), "--backend", BACKEND, "--", sys.executable, str(WORKER)]
     cmd += [str(model), str(out), "--prompt", ",".join(map(str, PROMPT))]
     cmd += ["--tokens", str(TOKENS)] + (["--paged"] if paged else [])
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    root = str(Path(__file__).parents[1])
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return dict(np.load(out / "result.npz"))
