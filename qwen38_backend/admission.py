@@ -17,10 +17,16 @@ config and the options alone (a config dict is enough: `qwen38 info MODEL --cont
   every sealed page (pages leave the pool once written and are written once per version);
   `admit` checks it against the free space of the spill directory.
 - kv_growth: the transient of the last growth (the old buffer lives until the copy is done).
-- quest_meta: per sealed page, per KV head, key min and max (paged store only; resident).
+- quest_meta: per sealed page, per KV head, key min and max (paged store only; resident;
+  not for Flash-Next, whose QSA indexer selects).
 - recurrent: Gated DeltaNet state, fp32 [value heads, key dim, value dim] per layer, plus
   the conv rows (kernel - 1) x conv channels in the state dtype.
-- indexer: QSA raw indexer keys per token and pooled keys per block of `compress_ratio`.
+- indexer: QSA raw indexer keys per token and pooled keys per block of `compress_ratio`
+  (buffers grown in steps of 256 rows); indexer_growth: the old buffer alive during the
+  last growth.
+- qsa_scratch: what one QSA selection holds at once: a decode step's block scores, selection
+  rows and gathered K/V (budget + tail rows), or one prefill query group's (models/qsa.py
+  query_bytes / group_queries; the groups are evaluated one at a time).
 - ple_state: PLE conv rows and n-gram context ids.
 - mtp_reserve: the MTP head's own KV (and indexer keys) over the context, when MTP is on.
 - scratch: one prefill chunk's activations (widest layer output, fp32), the attention scores
@@ -284,6 +290,9 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     choice = choose_kv(**{k: options[k] for k in KV_OPTION_KEYS if k in options})
     plan.kv = choice
     layer_token = hkv * hd * 2 * kvb  # K+V of one token in one attention layer
+    idx_dim = getattr(cfg, "indexer_head_dim", 0)
+    ratio = getattr(cfg, "indexer_compress_ratio", 0)
+    qsa = bool(idx_dim and ratio and family == "qwen4_exp")
     spill_pages = 0
     if choice.paged:
         P = choice.page_tokens
@@ -318,7 +327,13 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         budget, sink_p = _ceil(choice.budget, P), _ceil(choice.sinks, P)
         recent_p = _ceil(choice.recent, P)
         sparse_from = 4 * budget * P if choice.mode == "auto" else 0
-        if context >= sparse_from:
+        if qsa:
+            # the indexer's blocks lie in whole pages: a step pins at most one page per
+            # selected block plus the tail's, and the open page is written beside them
+            n_blocks = cfg.indexer_budget // ratio
+            if context // ratio > n_blocks:
+                plan.selection_pages = min(total_pages, n_blocks + 2)
+        elif context >= sparse_from:
             _, n_forced = forced_pages(total_pages, sink_p, recent_p)
             n_sel = min(total_pages, max(budget, n_forced))
             if n_sel < total_pages:
@@ -351,7 +366,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
                 f"{choice.page_tokens * layer_token:,} B in {plan.spill_dir}",
             )
         )
-    if choice.paged:
+    if choice.paged and not qsa:
         sealed = context // choice.page_tokens
         add(
             Component(
@@ -379,15 +394,13 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
             )
         )
 
-    # --- QSA indexer keys
-    idx_dim = getattr(cfg, "indexer_head_dim", 0)
-    ratio = getattr(cfg, "indexer_compress_ratio", 0)
-    if idx_dim and ratio and family == "qwen4_exp":
-        raw_rows = _ceil(context, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
-        blocks = context // ratio
-        pooled_rows = _ceil(blocks, CONTIGUOUS_STEP) * CONTIGUOUS_STEP if blocks else 0
+    # --- QSA indexer keys and selection scratch
+    if qsa:
+        raw_rows, raw_old = _contiguous_rows(schedule)
+        pooled_rows, pooled_old = _contiguous_rows(_block_schedule(schedule, ratio))
         raw = n_attn * raw_rows * idx_dim * act
         pooled = n_attn * pooled_rows * idx_dim * act
+        growth = max(raw_old, pooled_old) * idx_dim * act  # one layer's buffer at a time
         add(
             Component(
                 "indexer",
@@ -397,6 +410,8 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
                 f"{n_attn} x {pooled_rows} x {idx_dim} x {act} B = {pooled:,} B",
             )
         )
+        add(Component("indexer_growth", growth, "ram", "old key buffer alive during a growth"))
+        add(_qsa_scratch(cfg, context, min(chunk, context), act, kvb))
 
     # --- PLE state
     ple_ids = getattr(cfg, "ple_layer_ids", ())
@@ -413,9 +428,8 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     if mtp_on:
         mtp_kv = n_mtp * layer_token * _contiguous_rows(schedule)[0]  # its own contiguous KV
         mtp_idx = 0
-        if idx_dim and ratio and family == "qwen4_exp":
-            raw_rows = _ceil(context, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
-            mtp_idx = n_mtp * (raw_rows + raw_rows // ratio) * idx_dim * act
+        if qsa:
+            mtp_idx = n_mtp * (raw_rows + pooled_rows) * idx_dim * act
         add(Component("mtp_reserve", mtp_kv + mtp_idx, "ram", f"{n_mtp} MTP layer(s): own KV"))
 
     # --- scratch
@@ -433,9 +447,11 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     if getattr(cfg, "num_experts", 0):
         widths.append(2 * cfg.moe_intermediate_size * cfg.num_experts_per_tok)
     activ = t * (cfg.hidden_size + max(widths)) * 4 * 2  # input and output of the widest op
-    one_shot = 0 if fused else min(t * hq * context * 4, ONE_SHOT_BYTES)
-    if context - t <= BLOCK_TOKENS or t * hq * context * 4 <= ONE_SHOT_BYTES:
-        one_shot = 0 if fused else t * hq * context * 4
+    # QSA layers attend densely only while the context is within the budget (+ a tail)
+    attn_ctx = min(context, cfg.indexer_budget + ratio + t) if qsa else context
+    one_shot = 0 if fused else min(t * hq * attn_ctx * 4, ONE_SHOT_BYTES)
+    if attn_ctx - t <= BLOCK_TOKENS or t * hq * attn_ctx * 4 <= ONE_SHOT_BYTES:
+        one_shot = 0 if fused else t * hq * attn_ctx * 4
         walk = 0
     else:  # the blocked walk (every backend: its scores are plain ops)
         walk = SCORE_BLOCKS_LIVE * t * hq * BLOCK_TOKENS * 4
@@ -452,6 +468,43 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         )
     )
     return plan
+
+
+def _block_schedule(schedule: list[int], ratio: int) -> list[int]:
+    """Pooled blocks each append of `schedule` completes (the pooled buffer's appends)."""
+    out, length = [], 0
+    for n in schedule:
+        done = (length + n) // ratio - length // ratio
+        length += n
+        if done:
+            out.append(done)
+    return out
+
+
+def _qsa_scratch(cfg: Any, context: int, chunk: int, act: int, kvb: int) -> Component:
+    """The larger of a decode step's and a prefill query group's QSA selection scratch."""
+    from .models.qsa import group_queries, query_bytes
+
+    ratio = cfg.indexer_compress_ratio
+    n_blocks = cfg.indexer_budget // ratio
+    blocks = context // ratio
+    if blocks <= n_blocks:
+        return Component("qsa_scratch", 0, "ram", "dense: the context is within the budget")
+    width = n_blocks * ratio + ratio - 1
+    per_query = query_bytes(
+        cfg.num_key_value_heads, cfg.head_dim, width, cfg.indexer_n_heads, blocks, kvb
+    )
+    group = group_queries(chunk, per_query)
+    # the group's output rows [Hq, G, D] in the activation dtype sit beside its scratch
+    out_rows = group * cfg.num_attention_heads * cfg.head_dim * act
+    return Component(
+        "qsa_scratch",
+        group * per_query + out_rows,
+        "ram",
+        f"{group} queries x {per_query:,} B (K/V of {width} gathered rows, "
+        f"{cfg.indexer_n_heads} + selection rows of {blocks:,} block scores fp32) + output "
+        f"{out_rows:,} B",
+    )
 
 
 def _family_of(net: Any) -> str:

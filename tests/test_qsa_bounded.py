@@ -197,3 +197,63 @@ def test_reserve_makes_room_for_verify_rows(model, kv):
     assert before[0] >= (61 + 300 if not kv else -(-(61 + 300) // 8))
     model.forward(ids[61:80], state)  # a 19-row verify
     assert sizes() == before
+
+
+# ----- admission -------------------------------------------------------------------------------
+def _flash_next_config() -> dict:
+    from qwen38_backend.testing.tiny_qwen4_exp import full_config, text_config
+
+    c = text_config("flash", 48)
+    c.update(num_experts=512, ngram_vocab_size_base=20_000_000)
+    return full_config(c)
+
+
+def test_flash_next_plan_at_262144_tokens():
+    from qwen38_backend.admission import admit, format_plan, memory_plan
+    from qwen38_backend.errors import AdmissionError
+
+    n = 262_144
+    plan = memory_plan(_flash_next_config(), n, dtype="bfloat16", mtp=False)
+    # QWEN38.md: main KV 24 KiB/token (12 layers x 2 heads x 256 x K,V x bf16)
+    assert plan["kv"] == 24 * 1024 * n
+    # raw indexer keys 3 KiB/token (12 x 128 x bf16) plus a pooled key per 4 tokens
+    assert plan["indexer"] == 12 * 128 * 2 * (n + n // 4)
+    # 512-token chunks: the raw buffer last grew from 261,632 rows
+    assert plan["indexer_growth"] == (n - 512) * 128 * 2
+    # one prefill group: K/V of 2,048 + 3 gathered rows, 4 head scores + 4 selection rows of
+    # 65,536 blocks fp32, for as many queries as fit 64 MiB, plus their output rows
+    per_query = 2 * 2 * 2051 * 256 * 2 + (4 + 4) * (n // 4) * 4
+    group = (64 << 20) // per_query
+    assert plan["qsa_scratch"] == group * per_query + group * 24 * 256 * 2
+    assert plan["quest_meta"] == 0
+    text = format_plan(plan)
+    assert f"{plan['qsa_scratch']:,} bytes" in text and "indexer_growth" in text
+    # paged: the indexer selects whole pages; a pool below one step's pages is refused
+    paged = memory_plan(
+        _flash_next_config(), n, dtype="bfloat16", mtp=False, kv_paged="on", kv_pool_tokens=4096
+    )
+    assert paged.selection_pages == 512 + 2 and paged["quest_meta"] == 0
+    with pytest.raises(AdmissionError, match="514 pages"):
+        admit(paged, available=10**13, disk_available=10**13)
+
+
+def test_indexer_plan_matches_the_run(model):
+    from qwen38_backend.admission import memory_plan
+
+    n = 600
+    plan = memory_plan(model, n, prefill_chunk=128, dtype="float32", mtp=False)
+    state = model.new_state()
+    model.prefill(_ids(n, seed=8), state, chunk=128)
+    qsa_layers = [s for s in state.layers if isinstance(s, qsa.QSAState)]
+    held = sum(s.raw.nbytes + s.pooled.nbytes for s in qsa_layers)
+    assert plan["indexer"] == held
+    assert plan["kv"] == sum(s.kv.keys.nbytes + s.kv.values.nbytes for s in qsa_layers)
+
+
+def test_info_shows_the_qsa_components(tmp_path):
+    from qwen38_backend.info import describe
+
+    d = write_tiny_qwen4_exp(tmp_path / "m", seed=1)
+    text = describe(str(d), context=4096)
+    for name in ("indexer", "indexer_growth", "qsa_scratch"):
+        assert f"  {name} " in text

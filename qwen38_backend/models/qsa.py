@@ -134,6 +134,21 @@ def token_indices(chosen: mx.array, position: int, ratio: int, n_blocks: int) ->
     return mx.concatenate([toks, tail]) if tail.size else toks
 
 
+def query_bytes(
+    kv_heads: int, head_dim: int, width: int, index_heads: int, n_blocks: int, kv_item: int
+) -> int:
+    """Scratch of one sparse prefill query: its gathered K and V rows, its per-head block
+    scores and the selection's [NB]-wide rows (fp32)."""
+    return 2 * kv_heads * width * head_dim * kv_item + (index_heads + SELECT_ROWS_LIVE) * (
+        n_blocks * 4
+    )
+
+
+def group_queries(T: int, per_query: int) -> int:
+    """Queries per gather group: their scratch near GATHER_BYTES (at least one query)."""
+    return max(1, min(T, GATHER_BYTES // per_query))
+
+
 # ----- per-sequence indexer state ----------------------------------------------------------------
 class QSAState:
     """A KV store plus raw indexer keys per token and pooled keys per complete block.
@@ -337,12 +352,6 @@ class QSAAttention(Attention):
         out = out.transpose(0, 2, 1, 3).reshape(T, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 
-    def group_size(self, T: int, n_blocks_stored: int, kv_item: int) -> int:
-        """Queries per gather group: their K/V rows and block scores near GATHER_BYTES."""
-        per_query = 2 * self.n_kv_heads * self.width * self.head_dim * kv_item
-        per_query += (self.indexer.n_heads + SELECT_ROWS_LIVE) * n_blocks_stored * 4
-        return max(1, min(T, GATHER_BYTES // per_query))
-
     def _attend_selected(
         self, q: mx.array, qi: mx.array, positions: mx.array, st: QSAState, offset: int
     ) -> mx.array:
@@ -355,7 +364,15 @@ class QSAAttention(Attention):
             return mx.fast.scaled_dot_product_attention(
                 q, keys[None], values[None], scale=self.scale
             )
-        G = self.group_size(T, st.n_blocks, q.dtype.size)
+        per_query = query_bytes(
+            self.n_kv_heads,
+            self.head_dim,
+            self.width,
+            self.indexer.n_heads,
+            st.n_blocks,
+            q.dtype.size,
+        )
+        G = group_queries(T, per_query)
         limit = getattr(st.kv, "gather_limit", None)
         if limit is not None:  # a bounded pool pins one group's pages at once
             G = max(1, min(G, limit() // (self.n_blocks + 1)))
@@ -373,6 +390,6 @@ class QSAAttention(Attention):
                 mask=valid[:, None, None, :],
             )
             outs.append(out[:, :, 0].swapaxes(0, 1)[None])  # [1, Hq, g, D]
-            if len(outs) % 4 == 0 and b < T:
-                mx.eval(outs[-1])  # bound the lazy graph to a few groups' scratch
+            if b < T:
+                mx.eval(outs[-1])  # one group's scratch alive at a time (admission plans it)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
