@@ -36,7 +36,8 @@ def launcher() -> list[str]:
     found = shutil.which("mlx.launch") or Path(sys.executable).parent / "mlx.launch"
     if Path(found).exists():
         return [str(found)]
-    return [sys.executable, "-m", "mlx._distributed_utils.launch"]  # what mlx.launch runs
+    # what the mlx.launch script runs (the module has no __main__ entry)
+    return [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
 
 
 def launch(n: int, model: Path, out: Path, paged: bool) -> dict:
