@@ -206,7 +206,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         if name == "qwen38-demo":
             continue
         mark = "  (default)" if name == default else ""
-        print(f"{name}  {entry.get('path', '')}{mark}")
+        where = entry.get("path") or f"{entry.get('model')} at {entry.get('url')}"
+        print(f"{name}  {where}{mark}")
     print(f"registry: {reg.path}", file=sys.stderr)
     return 0
 

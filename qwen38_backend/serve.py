@@ -104,6 +104,7 @@ class Engine:
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.stopping = threading.Event()
         self.current: Job | None = None
+        self.counts = {"answered": 0, "cancelled": 0, "failed": 0}  # rank 0's calls (/health)
         store = default_store() if self.ranks.size == 1 else self._rank_store()
         self.pool = SessionPool(lambda: RankSession(model, self.ranks, cache=store), sessions)
 
@@ -146,6 +147,7 @@ class Engine:
             except queue.Empty:
                 continue
             if job.cancel.is_set():  # its client left while it waited
+                self.counts["cancelled"] += 1
                 job.out.put(("end", None))
                 continue
             message = {"op": "generate", "args": job.call.args, "ids": job.request.ids}
@@ -185,8 +187,13 @@ class Engine:
                     if event.type == "done" and session.last_stats is not None:
                         job.out.put(("stats", session.last_stats))
                     job.out.put(("event", event))
+            if job is not None:
+                stats = session.last_stats
+                done = "cancelled" if stats and stats.finish_reason == "cancelled" else "answered"
+                self.counts[done] += 1
         except Exception as e:  # noqa: BLE001 - reported to the client; the server goes on
             if job is not None:
+                self.counts["failed"] += 1
                 job.out.put(("error", e))
             else:
                 sys.stderr.write(f"qwen38 serve (rank {self.ranks.rank}): {e}\n")
@@ -278,7 +285,9 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/v1/models", "/models"):
             self._json(200, models_body(self.engine.name, self.started))
         elif path in ("/health", "/v1/health"):
-            self._json(200, {"status": "ok", "model": self.engine.name})
+            engine = self.engine
+            body = {"status": "ok", "model": engine.name, "ranks": engine.ranks.size}
+            self._json(200, {**body, "waiting": engine.jobs.qsize(), **engine.counts})
         else:
             self._json(404, error_body(f"no route GET {self.path}", "not_found_error"))
 
@@ -430,7 +439,9 @@ def serve(
     server = make_server(None, host, port, quiet) if ranks.leader else None
     engine = Engine(load_for_ranks(model, ranks, dtype), ranks, sessions, max_queue)
     if server is None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 says when to stop
+        # rank 0 says when to stop (a signal to the whole job reaches it too)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         engine.loop()
         return 0
     server.RequestHandlerClass.engine = engine  # type: ignore[attr-defined]

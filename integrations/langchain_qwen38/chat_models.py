@@ -102,9 +102,21 @@ class ChatQwen38(BaseChatModel):
     """Thinking mode for templates that support it (`enable_thinking`): None leaves the
     template's default, except for constrained outputs (forced tool calls, structured output),
     which skip reasoning unless this is True."""
+    base_url: str | None = None
+    """URL of a `qwen38 serve` server (e.g. http://127.0.0.1:8080) to answer instead of
+    loading weights in this process; `model` then names the served model (the default
+    `qwen38`: whatever it serves). A registry name added with `llm qwen38 add --url` does the
+    same without base_url."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra options for every call: KV store options (`kv_paged`, `kv_topk`, ...) or extra
     chat-template variables."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        from qwen38_backend.client import normalize_url
+
+        return None if value is None else normalize_url(value)
 
     @field_validator("model_kwargs")
     @classmethod
@@ -128,6 +140,7 @@ class ChatQwen38(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model": self.model,
+            "base_url": self.base_url,
             "dtype": self.dtype,
             "reasoning": self.reasoning,
             **{k: getattr(self, k) for k in _SAMPLING_FIELDS},
@@ -173,6 +186,77 @@ class ChatQwen38(BaseChatModel):
 
     def _shared(self, model: str | None = None) -> SharedModel:
         return shared_model(model or self.model, self.dtype)
+
+    def _served(self, model: str | None = None) -> tuple[str, str | None] | None:
+        """(url, served model id or None) when a server answers this call, else None."""
+        name = model or self.model
+        if self.base_url is not None:
+            return self.base_url, None if name == DEFAULT_MODEL else name
+        from qwen38_backend.loading.registry import Registry
+
+        served = Registry().served(name)
+        return (served[0], served[1] or None) if served is not None else None
+
+    def _remote_job(
+        self,
+        served: tuple[str, str | None],
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        emit: Callable[[tuple[str, Any]], None],
+        cancelled: threading.Event,
+        deadline: float | None,
+    ) -> None:
+        """`_job` for a served model, on its own thread: the server decides the call, its
+        events come back through qwen38_backend.client."""
+        from qwen38_backend.client import ServedModel
+
+        model_name = kwargs.get("model") or self.model
+
+        def check() -> None:
+            if cancelled.is_set():
+                raise _Cancelled()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{model_name}: generation exceeded timeout={self.timeout}s")
+
+        try:
+            options = self._options(stop, kwargs)
+            tools = options.pop("tools", None) or None
+            client = ServedModel(served[0], served[1], timeout=self.timeout)
+            events = client.generate(
+                to_template_messages(messages), tools, cancel=cancelled, **options
+            )
+            try:
+                for chunk in self._chunks_from_events(events, model_name, check):
+                    emit(("chunk", chunk))
+            finally:
+                events.close()
+        except _Cancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            emit(("error", e))
+        finally:
+            emit(("end", None))
+
+    def _start(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        emit: Callable[[tuple[str, Any]], None],
+        cancelled: threading.Event,
+        deadline: float | None,
+    ) -> str:
+        """Start one generation (on the engine thread, or a thread reading the server);
+        returns the name its errors carry. Local weights may load here (minutes)."""
+        served = self._served(kwargs.get("model"))
+        if served is not None:
+            args = (served, messages, stop, kwargs, emit, cancelled, deadline)
+            threading.Thread(target=self._remote_job, args=args, daemon=True).start()
+            return served[0]
+        shared = self._shared(kwargs.get("model"))
+        shared.submit(self._job, shared, messages, stop, kwargs, emit, cancelled, deadline)
+        return shared.name
 
     def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Session.generate options from the fields and the call's kwargs (LangChain's names
@@ -253,10 +337,9 @@ class ChatQwen38(BaseChatModel):
     ) -> Iterator[AIMessageChunk]:
         """Generate on the engine thread, yielding its chunks here as they come."""
         deadline = self._deadline()
-        shared = self._shared(kwargs.get("model"))
         items: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         cancelled = threading.Event()
-        shared.submit(self._job, shared, messages, stop, kwargs, items.put, cancelled, deadline)
+        name = self._start(messages, stop, kwargs, items.put, cancelled, deadline)
         try:
             while True:
                 wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -264,7 +347,7 @@ class ChatQwen38(BaseChatModel):
                     kind, item = items.get(timeout=wait)
                 except queue.Empty:
                     raise TimeoutError(
-                        f"{shared.name}: no result within timeout={self.timeout}s"
+                        f"{name}: no result within timeout={self.timeout}s"
                     ) from None
                 if kind == "end":
                     return
@@ -365,7 +448,6 @@ class ChatQwen38(BaseChatModel):
         # the engine stops at its next event.
         loop = asyncio.get_running_loop()
         deadline = self._deadline()
-        shared = await loop.run_in_executor(None, self._shared, kwargs.get("model"))
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancelled = threading.Event()
 
@@ -375,7 +457,9 @@ class ChatQwen38(BaseChatModel):
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 cancelled.set()
 
-        shared.submit(self._job, shared, messages, stop, kwargs, emit, cancelled, deadline)
+        name = await loop.run_in_executor(
+            None, self._start, messages, stop, kwargs, emit, cancelled, deadline
+        )
         try:
             while True:
                 wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -383,7 +467,7 @@ class ChatQwen38(BaseChatModel):
                     kind, item = await asyncio.wait_for(items.get(), wait)
                 except asyncio.TimeoutError:
                     raise TimeoutError(
-                        f"{shared.name}: no result within timeout={self.timeout}s"
+                        f"{name}: no result within timeout={self.timeout}s"
                     ) from None
                 if kind == "end":
                     break

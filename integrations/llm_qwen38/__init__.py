@@ -126,9 +126,14 @@ class Qwen38(_Base, llm.Model):
         response: llm.Response,
         conversation: llm.Conversation | None = None,
     ) -> Iterator[Any]:
-        from . import _runtime
+        from . import _remote, _runtime
 
-        yield from _runtime.execute(self, prompt, response, conversation)
+        _home.ensure_home()
+        served = _runtime.served_target(self.target)
+        if served is not None:  # `llm qwen38 add --url`: a `qwen38 serve` server answers
+            yield from _remote.execute(self, served, prompt, response)
+        else:
+            yield from _runtime.execute(self, prompt, response, conversation)
 
 
 class AsyncQwen38(_Base, llm.AsyncModel):
@@ -139,9 +144,16 @@ class AsyncQwen38(_Base, llm.AsyncModel):
         response: llm.AsyncResponse,
         conversation: llm.AsyncConversation | None = None,
     ) -> AsyncIterator[Any]:
-        from . import _runtime
+        from . import _remote, _runtime
 
-        async for event in _runtime.execute_async(self, prompt, response, conversation):
+        _home.ensure_home()
+        served = _runtime.served_target(self.target)
+        events = (
+            _remote.execute_async(self, served, prompt, response)
+            if served is not None
+            else _runtime.execute_async(self, prompt, response, conversation)
+        )
+        async for event in events:
             yield event
 
 

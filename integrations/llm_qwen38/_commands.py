@@ -30,24 +30,47 @@ def qwen38_group() -> None:
 
 
 @qwen38_group.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path), required=False)
+@click.option(
+    "--url", help="A `qwen38 serve` server instead of weights, e.g. http://127.0.0.1:8080"
+)
+@click.option("--model", "served_model", help="With --url: which served model (default: its only)")
 @click.option("--name", "-n", help="Model name for `llm -m NAME` (default: the directory name)")
 @click.option("--default", "make_default", is_flag=True, help="Also make it the `qwen38` model")
-def add(path: Path, name: str | None, make_default: bool) -> None:
-    """Register a model directory (HF or MLX layout) or a .gguf file.
+def add(
+    path: Path | None,
+    url: str | None,
+    served_model: str | None,
+    name: str | None,
+    make_default: bool,
+) -> None:
+    """Register a model directory (HF or MLX layout), a .gguf file, or (--url) a model served
+    by `qwen38 serve`, which stays loaded between `llm` calls.
 
     The registry is shared: `qwen38 run NAME` and ChatQwen38(model=NAME) find it too.
     """
     from qwen38_backend.errors import Qwen38Error
-    from qwen38_backend.loading.registry import add_weights
 
     _home.ensure_home()
-    try:
-        name, target, weights = add_weights(path, name, make_default=make_default)
-    except Qwen38Error as e:
-        _fail(e)
-    arch = weights.config.get("model_type", "?")
-    click.echo(f"added {name} -> {target} ({arch}, {weights.format})")
+    if (path is None) == (url is None):
+        raise click.UsageError("give a PATH to weights or --url of a server (one of them)")
+    if url is not None:
+        from qwen38_backend.loading.registry import add_served
+
+        try:
+            name, url, model = add_served(url, name, served_model, make_default=make_default)
+        except Qwen38Error as e:
+            _fail(e)
+        click.echo(f"added {name} -> {model} served at {url}")
+    else:
+        from qwen38_backend.loading.registry import add_weights
+
+        try:
+            name, target, weights = add_weights(path, name, make_default=make_default)
+        except Qwen38Error as e:
+            _fail(e)
+        arch = weights.config.get("model_type", "?")
+        click.echo(f"added {name} -> {target} ({arch}, {weights.format})")
     if make_default:
         click.echo(f"`llm -m qwen38` now uses {name}")
 
@@ -61,9 +84,12 @@ def list_models() -> None:
     for name, entry in sorted(data["models"].items()):
         if name == _home.DEMO_NAME:
             continue
+        mark = "*" if name == default else " "
+        if "url" in entry:
+            click.echo(f"{mark} {name}  {entry.get('model')} at {entry['url']}")
+            continue
         path = Path(entry.get("path", ""))
         missing = "" if path.exists() else "  [missing]"
-        mark = "*" if name == default else " "
         click.echo(f"{mark} {name}  {path}{missing}")
     if default is None:
         click.echo("no default: `llm qwen38 default NAME` makes `llm -m qwen38` use NAME")

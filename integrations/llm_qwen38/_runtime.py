@@ -56,6 +56,14 @@ def resolve_target(target: str | None) -> Path:
     return Path(resolve(target)).resolve()
 
 
+def served_target(target: str | None) -> tuple[str, str] | None:
+    """(url, served model id) when the model id's target is a `qwen38 serve` entry."""
+    from qwen38_backend.loading.registry import Registry
+
+    name = target if target is not None else _home.default_name()
+    return Registry().served(name) if name is not None else None
+
+
 def load(path: Path) -> Any:
     model = _MODELS.get(path)
     if model is None:
@@ -369,7 +377,11 @@ def execute(model: Any, prompt: llm.Prompt, response: Any, conversation: Any) ->
     finally:
         request.cancel.set()  # an abandoned stream stops the engine at the next token
         engine.forget_cancel(request.cancel)
-    info = response.response_json or {}
+    report(response.response_json or {})
+
+
+def report(info: dict) -> None:
+    """After an answer: state-file problems, a constraint cut short, a stop by Ctrl-C."""
     if info.get("state_file_error"):
         _note(info["state_file_error"])
     if info.get("incomplete"):

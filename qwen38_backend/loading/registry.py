@@ -19,6 +19,7 @@ from .registry_file import (
     REGISTRY_FILE,
     RESERVED_NAMES,
     Registry,
+    served_not_weights,
     validate_name,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "REGISTRY_FILE",
     "RESERVED_NAMES",
     "Registry",
+    "add_served",
     "add_weights",
     "resolve",
     "validate_name",
@@ -63,6 +65,32 @@ def add_weights(
     return name, target, weights
 
 
+def add_served(
+    url: str, name: str | None = None, model: str | None = None, make_default: bool = False
+) -> tuple[str, str, str]:
+    """Register a model served by `qwen38 serve` at `url` under `name` (default: the
+    served model's id). The server is asked which models it serves first, so a wrong URL or
+    model is refused now. Returns (name, url, model id)."""
+    from ..client import ServedModel, normalize_url
+
+    url = normalize_url(url)
+    served = ServedModel(url).models()
+    if model is None:
+        if len(served) != 1:
+            raise InvalidOptionError(f"{url} serves {', '.join(served)}: pick one with --model")
+        model = served[0]
+    elif model not in served:
+        raise ModelNotFoundError(f"{url} does not serve {model!r} (it serves {', '.join(served)})")
+    name = name or model
+    if name in RESERVED_NAMES:
+        raise InvalidOptionError(f"{name!r} is reserved; choose another --name")
+    reg = Registry()
+    reg.add_url(name, url, model)
+    if make_default:
+        reg.default = name
+    return name, url, model
+
+
 def resolve(name_or_path: str | Path | None = None) -> Path:
     """Path of a model given as a path, a registered name, or `qwen38-demo`.
 
@@ -85,6 +113,8 @@ def resolve(name_or_path: str | Path | None = None) -> Path:
             f"{name!r} is neither an existing path nor a registered model name "
             f"(known in {reg.path}: {known}); {HOW_TO_ADD}"
         )
+    if "path" not in models[name]:
+        raise ModelNotFoundError(served_not_weights(name, models[name].get("url")))
     target = Path(models[name]["path"])
     if not target.exists():
         raise ModelNotFoundError(

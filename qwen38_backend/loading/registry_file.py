@@ -1,5 +1,5 @@
-"""The registry file: model name -> weights path, a small JSON file (`registry.json` in the
-data directory), every change written atomically.
+"""The registry file: model name -> weights path (or a served model's URL), a small JSON
+file (`registry.json` in the data directory), every change written atomically.
 
 One registry for every entry point: the `qwen38` command, the llm plugin and ChatQwen38 all
 read and write `paths.data_dir()/registry.json`. This module knows names and paths only (no
@@ -38,6 +38,14 @@ def validate_name(name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+def served_not_weights(name: str, url: str | None) -> str:
+    return (
+        f"{name!r} is a model served at {url} (`qwen38 serve`), not weights on this machine: "
+        f"use it through `llm -m {name}` or ChatQwen38(model={name!r}), or register weights "
+        "under another name"
+    )
 
 
 class Registry:
@@ -95,6 +103,21 @@ class Registry:
         self._write(data)
         return p
 
+    def add_url(self, name: str, url: str, model: str) -> None:
+        """Register `name` -> the model `model` served at `url` (`qwen38 serve`)."""
+        validate_name(name)
+        data = self._read()
+        added = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        data["models"][name] = {"url": url, "model": model, "added": added}
+        self._write(data)
+
+    def served(self, name: str) -> tuple[str, str] | None:
+        """(url, model id) when `name` is a served model, else None (weights, or unknown)."""
+        entry = self._read()["models"].get(name)
+        if isinstance(entry, dict) and isinstance(entry.get("url"), str):
+            return entry["url"], str(entry.get("model") or "")
+        return None
+
     def remove(self, name: str) -> None:
         """Forget `name` (the files stay where they are)."""
         data = self._read()
@@ -110,10 +133,13 @@ class Registry:
         data = self._read()
         if name not in data["models"]:
             raise self._unknown(name, data)
-        return Path(data["models"][name]["path"])
+        entry = data["models"][name]
+        if "path" not in entry:
+            raise ModelNotFoundError(served_not_weights(name, entry.get("url")))
+        return Path(entry["path"])
 
     def list(self) -> dict[str, dict[str, Any]]:
-        """All registered models: name -> {"path", "added", "default"}."""
+        """All registered models: name -> {"path" or "url" and "model", "added", "default"}."""
         data = self._read()
         default = data.get("default")
         return {n: {**e, "default": n == default} for n, e in sorted(data["models"].items())}
