@@ -376,20 +376,26 @@ class QSAAttention(Attention):
         limit = getattr(st.kv, "gather_limit", None)
         if limit is not None:  # a bounded pool pins one group's pages at once
             G = max(1, min(G, limit() // (self.n_blocks + 1)))
+        hkv = self.n_kv_heads
+        rep = self.n_heads // hkv
         outs = []
         for a in range(0, T, G):
             b = min(a + G, T)
             pos = positions[a:b]
             ids, valid = token_ids(self.select(qi[a:b], pos, st), pos, self.ratio, self.n_blocks)
             keys, values = st.kv.gather(ids)  # [Hkv, g, W, D]
+            g = b - a
+            # One batch row per query, its KV group's query heads as rows: [g, Hkv, rep, D]
+            # (no GQA broadcast of the gathered keys to every query head).
+            qg = q[0, :, a:b].swapaxes(0, 1).reshape(g, hkv, rep, -1)
             out = mx.fast.scaled_dot_product_attention(
-                q[0, :, a:b, None].swapaxes(0, 1),  # [g, Hq, 1, D]: one batch row per query
+                qg,
                 keys.swapaxes(0, 1),
                 values.swapaxes(0, 1),
                 scale=self.scale,
                 mask=valid[:, None, None, :],
             )
-            outs.append(out[:, :, 0].swapaxes(0, 1)[None])  # [1, Hq, g, D]
+            outs.append(out.reshape(g, hkv * rep, -1).swapaxes(0, 1)[None])  # [1, Hq, g, D]
             if b < T:
                 mx.eval(outs[-1])  # one group's scratch alive at a time (admission plans it)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
