@@ -93,16 +93,21 @@ class Ranks:
 
 
 class RankCancel:
-    """A cancel flag all ranks read alike: rank 0's event, agreed at every check.
+    """A cancel flag all ranks read alike: rank 0's event, agreed on every `every`-th check.
 
     The engine checks `is_set()` between prefill chunks and after each token, at the same
-    points on every rank (same calls, same tokens), so each check is one small all_sum of
-    rank 0's flag and every rank stops at the same token.
+    points on every rank (same calls, same tokens), so a check can be one small all_sum of
+    rank 0's flag and every rank stops at the same token. Each collective also waits for the
+    step in flight (it ends the host/device overlap of that step), so only every `every`-th
+    check meets the other ranks: a cancel lands within that many tokens.
     """
 
-    def __init__(self, ranks: Ranks, event: threading.Event | None = None):
+    def __init__(self, ranks: Ranks, event: threading.Event | None = None, every: int = 8):
         self.ranks = ranks
         self.event = event if event is not None else threading.Event()
+        self.every = max(int(every), 1)
+        self._checks = 0
+        self._agreed = False
 
     def set(self) -> None:
         self.event.set()
@@ -111,4 +116,7 @@ class RankCancel:
         mine = self.ranks.leader and self.event.is_set()
         if self.ranks.size == 1:
             return mine
-        return sum(self.ranks.gather_int(1 if mine else 0)) > 0
+        if not self._agreed and self._checks % self.every == 0:
+            self._agreed = sum(self.ranks.gather_int(1 if mine else 0)) > 0
+        self._checks += 1
+        return self._agreed
