@@ -6,20 +6,20 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from . import speculative
 from .errors import Cancelled, InvalidOptionError
 from .generation import GenerationStats, TokenStream, stop_reason
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
 from .sampling import Sampler, SamplingParams
 from .session import Session
-from .speculative import SPECULATIVE_KEYS, SpeculativeOptions, decode_greedy, speculation_allowed
-from .speculative import parse_options as parse_speculative
+from .speculative import DraftOptions
 from .state import SequenceState
 
 
@@ -128,24 +128,42 @@ class Model:
         state.advance(ids)
         return out
 
+    def forward_features(self, ids: mx.array | list[int], state: SequenceState) -> mx.array:
+        """forward() up to the trunk's output rows (net.logits_from_features gives the same
+        logits): what speculative decoding verifies and the MTP head reads."""
+        arr = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
+        out = self.net.features(arr.reshape(-1), state)
+        state.advance(ids)
+        return out
+
     def prefill(
         self,
         ids: list[int],
         state: SequenceState,
         chunk: int | None = None,
         cancel: threading.Event | None = None,
+        observe: Callable[[mx.array, list[int], int], None] | None = None,
     ) -> mx.array:
         """Feed ids in chunks (bounded activation memory); return the last position's logits.
 
         A set `cancel` raises Cancelled between chunks; the state then holds the chunks fed so
-        far (a consistent, shorter prefix)."""
+        far (a consistent, shorter prefix). `observe(features, chunk_ids, start)` sees every
+        chunk's trunk features (the MTP head's history: speculative.prefill_observer)."""
         if not ids:
             raise InvalidOptionError("cannot prefill an empty prompt")
         chunk = chunk or self.prefill_chunk
         logits = None
         for start in range(0, len(ids), chunk):
             check_cancel(cancel)
-            logits = self.forward(ids[start : start + chunk], state, last_only=True)
+            part = ids[start : start + chunk]
+            if observe is None:
+                logits = self.forward(part, state, last_only=True)
+            else:
+                at = state.offset
+                feats = self.forward_features(part, state)
+                logits = self.net.logits_from_features(feats[-1:])
+                mx.eval(feats)
+                observe(feats, part, at)
             mx.eval(logits, *state_arrays(state))
         return logits[-1]
 
@@ -161,29 +179,31 @@ class Model:
     ) -> TokenStream:
         """Prefill prompt_ids into a fresh state and stream generated token ids."""
         kv_options = {k: sampling.pop(k) for k in list(sampling) if k in KV_OPTION_KEYS}
-        spec = {k: sampling.pop(k) for k in list(sampling) if k in SPECULATIVE_KEYS}
+        spec = {k: sampling.pop(k) for k in list(sampling) if k in speculative.OPTION_KEYS}
         params = SamplingParams.from_options(max_tokens=max_tokens, **sampling)
+        draft = speculative.resolve(speculative.parse_options(spec), self)
         ids = [int(t) for t in prompt_ids]
-        return self.run(ids, self.new_state(**kv_options), params, parse_speculative(spec))
+        return self.run(ids, self.new_state(**kv_options), params, draft)
 
     def run(
         self,
         ids: list[int],
         state: SequenceState,
         params: SamplingParams,
-        speculative: SpeculativeOptions | None = None,
+        draft: DraftOptions | None = None,
     ) -> TokenStream:
-        """Prefill ids (the part of the prompt not already in `state`) then decode."""
+        """Prefill ids (the part of the prompt not already in `state`) then decode.
+        `draft`: resolved draft options (speculative.resolve), None for plain decoding."""
         stats = GenerationStats(prompt_tokens=state.offset + len(ids), cached_tokens=state.offset)
-        return TokenStream(self._run(ids, state, params, stats, speculative), stats)
+        return TokenStream(self._run(ids, state, params, stats, draft), stats)
 
-    def _run(self, ids, state, params, stats, speculative=None) -> Iterator[int]:
+    def _run(self, ids, state, params, stats, draft=None) -> Iterator[int]:
         t0 = time.perf_counter()
-        logits = self.prefill(ids, state)
+        logits = self.prefill(ids, state, observe=speculative.prefill_observer(self, state, draft))
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            yield from self.decode(logits, state, params, stats, speculative=speculative)
+            yield from self.decode(logits, state, params, stats, draft=draft)
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             stats.kv = collect_kv_stats(state)
@@ -195,15 +215,16 @@ class Model:
         params: SamplingParams,
         stats,
         cancel: threading.Event | None = None,
-        speculative: SpeculativeOptions | None = None,
+        draft: DraftOptions | None = None,
     ) -> Iterator[int]:
         """Sample from `logits` (the last prefill position) and decode until a stop.
 
         A set `cancel` ends the stream after the current token (finish_reason "cancelled").
-        `speculative` (n-gram drafts) runs verified rounds where they keep the plain token
-        stream (greedy, unconstrained, dense selection: speculative.py), else plain steps."""
-        if speculative is not None and speculation_allowed(params, state):
-            yield from decode_greedy(self, logits, state, params, stats, speculative, cancel)
+        `draft` (resolved: speculative.resolve) runs verified draft rounds, which give the
+        plain stream token for token (speculative.py), unless constraints need every token
+        first."""
+        if speculative.applies(draft, params):
+            yield from speculative.decode(self, logits, state, params, stats, draft, cancel)
             return
         # an explicit seed starts its own stream; otherwise continue the sequence's RNG
         key = None if params.seed is not None else state.extras.get("rng_key")

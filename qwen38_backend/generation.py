@@ -18,8 +18,15 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     kv: dict = field(default_factory=dict)  # the KV store's counters (pages, bytes read, ...)
-    # speculative rounds (speculative="ngram"): rounds, drafted, accepted, acceptance_rate
-    speculative: dict = field(default_factory=dict)
+    # speculative decoding (option `draft`): the mode that ran ("mtp", "ngram"; None: plain
+    # decode), draft tokens proposed and accepted, and decode forwards (verify, plain step or
+    # re-feed; 0 under plain decode, which runs one per token)
+    draft: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0
+    throttle_pauses: int = 0  # times drafting paused because rounds were losing
+    gate_closed_at: int | None = None  # position where Quest selection stopped the rounds
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -31,6 +38,32 @@ class GenerationStats:
         # the first token comes from prefill logits; the rest each cost one decode step
         n = max(self.generated_tokens - 1, 0)
         return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens decided per decode forward (the first token comes from prefill); 1.0 under
+        plain decoding."""
+        if not self.forwards:
+            return 1.0
+        return max(self.generated_tokens - 1, 0) / self.forwards
+
+    def draft_stats(self) -> dict[str, Any]:
+        """What the drafts did, for response metadata (llm's response_json, LangChain)."""
+        return {
+            "mode": self.draft,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "forwards": self.forwards,
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "throttle_pauses": self.throttle_pauses,
+            "gate_closed_at": self.gate_closed_at,
+        }
 
     def usage(self) -> dict[str, int]:
         return {
@@ -48,7 +81,7 @@ class GenerationStats:
             "prefill_tokens_per_second": self.prefill_tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "kv": dict(self.kv),
-            "speculative": dict(self.speculative),
+            "draft": self.draft_stats(),
         }
 
 

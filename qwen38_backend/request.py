@@ -23,8 +23,10 @@ from .chat_format import opens_reasoning, template_features, template_messages
 from .errors import ContextWindowError, InvalidOptionError
 from .kv import KV_OPTION_KEYS
 from .sampling import SamplingParams
-from .speculative import SPECULATIVE_KEYS, SpeculativeOptions
-from .speculative import parse_options as parse_speculative
+from .speculative import OPTION_KEYS as DRAFT_OPTION_KEYS
+from .speculative import DraftOptions
+from .speculative import parse_options as parse_draft
+from .speculative import resolve as resolve_draft
 
 SAMPLING_KEYS = frozenset(
     {
@@ -42,7 +44,7 @@ SAMPLING_KEYS = frozenset(
 # Template variables a caller may set by name; any other goes in chat_template_kwargs.
 TEMPLATE_KEYS = frozenset({"enable_thinking"})
 REQUEST_KEYS = frozenset({"context", "chat_template_kwargs"})
-KNOWN_OPTIONS = SAMPLING_KEYS | KV_OPTION_KEYS | TEMPLATE_KEYS | REQUEST_KEYS | SPECULATIVE_KEYS
+KNOWN_OPTIONS = SAMPLING_KEYS | KV_OPTION_KEYS | TEMPLATE_KEYS | REQUEST_KEYS | DRAFT_OPTION_KEYS
 DEFAULT_MAX_TOKENS = 4096
 
 
@@ -61,7 +63,7 @@ class Request:
     constrained: str | None = None  # "schema", "json" or "tool_call"
     grammar: Any = None  # the constraint's GrammarProcessor (says whether output is complete)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    speculative: SpeculativeOptions | None = None  # n-gram drafts (speculative="ngram")
+    draft: DraftOptions | None = None  # resolved draft options (None: plain decoding)
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
@@ -80,7 +82,7 @@ def split_options(options: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
         raise InvalidOptionError("chat_template_kwargs must be a dict of template variables")
     template = {**extra, **template}
     request = {k: options[k] for k in ("context",) if options.get(k) is not None}
-    request.update({k: v for k, v in options.items() if k in SPECULATIVE_KEYS})
+    request.update({k: v for k, v in options.items() if k in DRAFT_OPTION_KEYS})
     return sampling, kv, template, request
 
 
@@ -212,7 +214,7 @@ def build_request(
         constrained=constrained,
         grammar=processors[n_given] if len(processors) > n_given else None,
         template_kwargs=template,
-        speculative=parse_speculative(limits),
+        draft=resolve_draft(parse_draft(limits), model),
     )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from . import speculative
 from .admission import MemoryPlan, admit, available_memory, memory_plan
 from .errors import Cancelled, StateFileError
 from .events import Event, StreamParser
@@ -191,20 +192,22 @@ class Session:
         stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
         self.last_stats = stats
         tokens = self._run(
-            ids, req.boundary, state, params, stats, pending, recurrent, cancel, req.speculative
+            ids, req.boundary, state, params, stats, pending, recurrent, cancel, req.draft
         )
         yield from self._events(TokenStream(tokens, stats), req, pending)
 
     def _run(
-        self, ids, boundary, state, params, stats, pending, recurrent, cancel, speculative=None
+        self, ids, boundary, state, params, stats, pending, recurrent, cancel, draft=None
     ) -> Iterator[int]:
         """Engine.run with stops at the message and prompt boundaries to mark / snapshot."""
         t0 = time.perf_counter()
+        observe = speculative.prefill_observer(self.model, state, draft)
         try:
             if state.offset < boundary < len(ids):
-                self.model.prefill(ids[state.offset : boundary], state, cancel=cancel)
+                part = ids[state.offset : boundary]
+                self.model.prefill(part, state, cancel=cancel, observe=observe)
                 self._mark(state, pending, recurrent)
-            logits = self.model.prefill(ids[state.offset :], state, cancel=cancel)
+            logits = self.model.prefill(ids[state.offset :], state, cancel=cancel, observe=observe)
         except Cancelled:
             stats.finish_reason = "cancelled"
             stats.prefill_seconds = time.perf_counter() - t0
@@ -213,9 +216,7 @@ class Session:
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            yield from self.model.decode(
-                logits, state, params, stats, cancel=cancel, speculative=speculative
-            )
+            yield from self.model.decode(logits, state, params, stats, cancel=cancel, draft=draft)
         finally:
             stats.decode_seconds = time.perf_counter() - t1
             stats.kv = collect_kv_stats(state)

@@ -1,184 +1,314 @@
-"""Speculative decoding, first slice: n-gram (prompt-lookup) drafts under greedy decoding.
+"""Speculative decoding: draft tokens (drafts.py: n-gram lookup or the MTP head), verify them
+in one forward, keep the longest prefix the model agrees with plus the token after it.
 
-A round drafts up to k tokens by looking the sequence's latest n-gram (n = 3..1) up earlier in
-its own tokens (prompt + generated) and proposing what followed it there; one forward of
-[last token, draft...] (k+1 positions) verifies them. The longest prefix of the draft that
-equals the argmax at each position is accepted, plus the argmax after it (the bonus token), so
-every round yields at least the token plain decoding would have. The token stream equals plain
-greedy decoding: on the CPU a row of a matmul is computed the same with 1 or k+1 rows
-(tests/test_speculative.py compares the streams).
+A round at position p feeds [last, d_1..d_k] (k+1 rows) and decides its tokens row by row
+with the same Sampler a plain step uses: row i gives the token plain decoding would give at
+p+i (on the CPU a row of a matmul is computed the same with 1 or k+1 rows: tested bit for bit,
+dense, paged, Gated DeltaNet, QSA). d_{i+1} is accepted while it equals that token; the first
+disagreeing row's token ends the round (the bonus when all agree). Under sampling the
+Sampler's key chain advances once per decided token, exactly as in plain decoding, so a
+seeded stream is the plain stream token for token, and its distribution is the model's: for a
+draft that is a function of the context this is speculative rejection sampling in its
+maximal-coupling form (accept d with probability p(d), else a token from p without d).
 
-Rejected positions are rolled back: attention KV truncates; recurrent layers (Gated DeltaNet)
-cannot, so a save point taken before the verify pass is restored and the accepted tokens are
-fed again. Keeping the per-position recurrent states of the verify pass would avoid that
-re-run (a later slice, with MTP drafts and sampling).
+Rollback: attention KV truncates; recurrent layers (Gated DeltaNet, PLE) return to a save
+point taken before the verify and the accepted tokens are fed again; the MTP head drops the
+entries it computed from its own chained drafts (drafts.MTPTrack).
 
-Only greedy decoding without logits processors runs rounds, and only on dense KV selection:
-under a sparse selector (kv_topk) a k+1-token verify reads through prefill attention while a
-plain step reads the selected pages, so the streams could drift (the exactness gate of issue
-13 is not built yet). Everything else decodes plainly.
+Exactness gate: a paged store under Quest (kv_topk) selects pages for a single decode step
+but a multi-row verify attends densely, so a round runs only while every decode step through
+the round's span plus one position of margin would read every page (PagedKV.dense_through);
+past that decode goes on with plain tokens. QSA (Flash-Next) selects blocks per query row in
+the verify as a single step would, so it needs no gate (tested past its dense threshold).
+
+Throttle: a round costs more than a plain step (measured, demo model on this 2-core CPU with
+OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 (T - 1)
+steps for T >= 2). Each round's gain is its tokens minus its cost in steps (plus the re-feed
+after a rejection on recurrent models and 0.1 step per MTP draft token); when the last 8
+rounds together gained nothing, drafting pauses for 16 tokens, then 32, 64, ... so a stream
+where drafts keep failing ends up decoding plainly at a bounded loss.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-import numpy as np
 
+from . import drafts
 from .errors import InvalidOptionError
 from .generation import stop_reason
-from .sampling import SamplingParams
+from .sampling import Sampler, SamplingParams
 from .state import SequenceState
 
 if TYPE_CHECKING:
     from .engine import Model
 
-SPECULATIVE_KEYS = frozenset({"speculative", "speculative_tokens"})
-MODES = ("off", "ngram")
-DEFAULT_TOKENS = 4
-MAX_NGRAM = 3
-LOOKBACK = 8192  # tokens searched for an earlier occurrence of the suffix
+DRAFT_KEYS = frozenset({"draft", "draft_tokens"})
+DEPRECATED_KEYS = {"speculative": "draft", "speculative_tokens": "draft_tokens"}
+OPTION_KEYS = DRAFT_KEYS | frozenset(DEPRECATED_KEYS)
+MODES = ("auto", "mtp", "ngram", "off")
+# k when draft_tokens is unset: lookup continues long copied spans; a chained MTP head's
+# later tokens agree less often (the 27B head's figures are for one token)
+DEFAULT_TOKENS = {"ngram": 4, "mtp": 2}
+MAX_TOKENS = 64
+
+# the throttle (module docstring)
+WINDOW = 8
+FIRST_PAUSE = 16
+MTP_STEP_COST = 0.1
+
+
+def verify_cost(rows: int) -> float:
+    """A forward of `rows` positions in plain decode steps (measured: module docstring)."""
+    return 1.0 if rows <= 1 else 1.22 + 0.14 * (rows - 1)
 
 
 @dataclass(frozen=True)
-class SpeculativeOptions:
-    mode: str = "ngram"
-    tokens: int = DEFAULT_TOKENS
+class DraftOptions:
+    """`draft` ("auto", "mtp", "ngram", "off") and `draft_tokens` (k; None: the mode's
+    default). `resolve` turns them into what a model will run."""
+
+    mode: str = "auto"
+    tokens: int | None = None
 
 
-def parse_options(options: dict[str, Any]) -> SpeculativeOptions | None:
-    """`speculative` ("ngram", "off" / None) and `speculative_tokens` (k >= 1) -> options."""
-    mode = options.get("speculative")
-    k = options.get("speculative_tokens")
-    if mode is None or mode is False:
+def parse_options(options: dict[str, Any]) -> DraftOptions:
+    """`draft` / `draft_tokens` (or their deprecated names speculative / speculative_tokens,
+    with a DeprecationWarning) -> DraftOptions; bad values refused by name."""
+    given: dict[str, Any] = {}
+    for old, new in DEPRECATED_KEYS.items():
+        if options.get(old) is None:
+            continue
+        warnings.warn(
+            f"the option {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3
+        )
+        if options.get(new) is not None and options[new] != options[old]:
+            raise InvalidOptionError(
+                f"{old}={options[old]!r} and {new}={options[new]!r} disagree; set {new} only"
+            )
+        value = options[old]
+        if old == "speculative" and isinstance(value, bool):
+            value = "ngram" if value else "off"  # the old switch's meaning
+        given[new] = value
+    given.update({k: options[k] for k in DRAFT_KEYS if options.get(k) is not None})
+    mode = given.get("draft", "auto")
+    if mode is False:
         mode = "off"
-    if mode is True:
-        mode = "ngram"
     if mode not in MODES:
-        raise InvalidOptionError(f"speculative={mode!r}: must be one of {', '.join(MODES)}")
-    if k is None:
-        k = DEFAULT_TOKENS
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
-        raise InvalidOptionError(f"speculative_tokens={k!r}: must be an integer in [1, 64]")
-    return None if mode == "off" else SpeculativeOptions(mode=mode, tokens=k)
+        raise InvalidOptionError(f"draft={mode!r}: must be one of {', '.join(MODES)}")
+    k = given.get("draft_tokens")
+    if k is not None and (
+        not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_TOKENS
+    ):
+        raise InvalidOptionError(f"draft_tokens={k!r}: must be an integer in [1, {MAX_TOKENS}]")
+    return DraftOptions(mode=mode, tokens=k)
 
 
-def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest
-    suffix (n = max_n..1) of `tokens`; [] when no suffix occurred before. A match of one
-    token only proposes one token (common tokens recur everywhere; a 2-position verify costs
-    about what a plain step does on the CPU, a 5-position one ~1.7x: measured, demo model)."""
-    if k <= 0 or len(tokens) < 2:
-        return []
-    start = max(len(tokens) - LOOKBACK, 0)
-    arr = np.asarray(tokens[start:], dtype=np.int64)
-    size = len(arr)
-    for n in range(min(max_n, size - 1), 0, -1):
-        suffix = arr[size - n :]
-        # candidate starts j < size - n whose first token matches, most recent first
-        cands = np.nonzero(arr[: size - n] == suffix[0])[0][::-1]
-        for j in cands:
-            if np.array_equal(arr[j : j + n], suffix):
-                follow = arr[j + n : j + n + (k if n > 1 else 1)]
-                if len(follow):
-                    return [int(t) for t in follow]
-    return []
+def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:
+    """What `model` runs: MTP for auto when it has a head, else nothing; mtp without a head is
+    refused before any work. None: plain decoding."""
+    if options is None or options.mode == "off":
+        return None
+    has_mtp = bool(getattr(model.net, "has_mtp", False))
+    mode = options.mode
+    if mode == "auto":
+        if not has_mtp:
+            return None
+        mode = "mtp"
+    if mode == "mtp" and not has_mtp:
+        raise InvalidOptionError(
+            f"draft='mtp': {model.name} has no MTP head (no mtp.* weights); "
+            "use draft='ngram' or 'off'"
+        )
+    return DraftOptions(mode=mode, tokens=options.tokens or DEFAULT_TOKENS[mode])
 
 
-def speculation_allowed(params: SamplingParams, state: SequenceState) -> bool:
-    """Greedy, unconstrained, dense selection: where rounds keep the plain token stream."""
-    kv = state.extras.get("kv_options") or {}
-    return params.greedy and not params.logits_processors and not kv.get("kv_topk")
+def applies(options: DraftOptions | None, params: SamplingParams) -> bool:
+    """Rounds keep the plain stream unless logits processors (constraints) need each token
+    before the next row's logits mean anything."""
+    return options is not None and not params.logits_processors
 
 
-def decode_greedy(
+def prefill_observer(model: Model, state: SequenceState, options: DraftOptions | None):
+    """For MTP drafts: Model.prefill's `observe`, feeding the prompt to the head's history."""
+    if options is None or options.mode != "mtp":
+        return None
+    track = drafts.mtp_track(model, state)
+
+    def observe(features: mx.array, ids: list[int], start: int) -> None:
+        track.observe(features, ids, start)
+        track.flush(model.net)
+
+    return observe
+
+
+def gate_open(state: SequenceState, through: int) -> bool:
+    """Every paged attention store decodes densely up to `through` tokens (module docstring).
+    Stores nested in a QSA state are skipped: QSA selects per verify row itself."""
+    for layer in state.layers:
+        dense = getattr(layer, "dense_through", None)
+        if dense is not None and not dense(through):
+            return False
+    return True
+
+
+class Throttle:
+    """Pauses drafting while rounds lose against plain steps (module docstring)."""
+
+    def __init__(self) -> None:
+        self.gains: deque[float] = deque(maxlen=WINDOW)
+        self.resume_at = 0
+        self.pause = FIRST_PAUSE
+        self.pauses = 0
+
+    def allows(self, n: int) -> bool:
+        return n >= self.resume_at
+
+    def record(self, n: int, gain: float) -> None:
+        self.gains.append(gain)
+        if len(self.gains) == WINDOW and sum(self.gains) <= 0:
+            self.resume_at = n + self.pause
+            self.pause *= 2
+            self.pauses += 1
+            self.gains.clear()
+
+
+class KeyChain:
+    """The Sampler's keys after j splits, j = 0, 1, ...: what plain decoding stores as the
+    sequence's RNG key after each token (None under greedy)."""
+
+    def __init__(self, key: mx.array | None):
+        self.keys = [key]
+
+    def after(self, j: int) -> mx.array | None:
+        if self.keys[0] is None:
+            return None
+        while len(self.keys) <= j:
+            self.keys.append(mx.random.split(self.keys[-1])[0])
+        return self.keys[j]
+
+
+def decode(
     model: Model,
     logits: mx.array,
     state: SequenceState,
     params: SamplingParams,
     stats,
-    options: SpeculativeOptions,
+    options: DraftOptions,
     cancel: threading.Event | None = None,
 ) -> Iterator[int]:
-    """Model.decode for greedy decoding with n-gram drafts: the same tokens, stops, length
-    and cancel behaviour as plain decode (a token is yielded, then checked)."""
+    """Model.decode with drafts: the same tokens, stops, length, cancel and RNG key as plain
+    decode (a token is yielded, then checked)."""
     stop_ids = set(model.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-    counters = {
-        "mode": options.mode,
-        "rounds": 0,
-        "drafted": 0,
-        "accepted": 0,
-        "forwards": 0,
-        "acceptance_rate": 0.0,
-    }
-    stats.speculative = counters
+    sampler = Sampler(params, key=None if params.seed is not None else state.extras.get("rng_key"))
+    chain = KeyChain(sampler.key)
+    stats.draft = options.mode
     if params.max_tokens == 0:
         stats.finish_reason = "length"
         return
+    track = drafts.mtp_track(model, state) if options.mode == "mtp" else None
+    if track is not None:
+        track.sync(state.offset)
+    history: list[int] = []
+    throttle = Throttle()
     n = 0
+    gate = True  # closes for good: a store that selects at some length selects beyond it
     # `pending`: tokens decided but not yet yielded; all but the last are already in `state`
-    pending = [int(mx.argmax(logits.astype(mx.float32), axis=-1).item())]
+    pending = [int(sampler(logits, history).item())]
     limit = options.tokens  # draft length; 1 after a round whose first draft token failed
     while True:
         for token in pending:
             n += 1
+            history.append(token)
             stats.generated_tokens = n
+            key = chain.after(n + 1 if n < params.max_tokens else n)  # as plain decode stores
+            if key is not None:
+                state.extras["rng_key"] = key
             yield token
             stats.finish_reason = stop_reason(token, n, params.max_tokens, stop_ids, cancel)
             if stats.finish_reason is not None:
+                stats.throttle_pauses = throttle.pauses
                 return
         last = pending[-1]
-        # never decide more tokens than max_tokens still allows
-        room = params.max_tokens - n - 1
-        draft = ngram_draft(state.tokens + [last], min(limit, room)) if room > 0 else []
-        pending = _round(model, state, last, draft, counters)
+        k = min(limit, params.max_tokens - n - 1)  # never decide more than max_tokens allows
+        draft: list[int] = []
+        keep = 0
+        if k > 0 and throttle.allows(n) and gate:
+            gate = gate_open(state, state.offset + k + 2)  # k+1 rows, one of margin
+            stats.gate_closed_at = None if gate else state.offset
+        if k > 0 and throttle.allows(n) and gate:
+            if track is None:
+                draft = drafts.ngram_draft(state.tokens + [last], k)
+            elif track.last is not None:
+                draft, keep = track.draft(model.net, last, k)
+        pending = _round(model, state, last, draft, sampler, history, stats, track, keep)
         if draft:
+            gain = len(pending) - verify_cost(len(draft) + 1)
+            if track is not None:
+                gain -= MTP_STEP_COST * len(draft)
+            if len(pending) <= len(draft) and not state.can_truncate:
+                gain -= verify_cost(len(pending))  # the re-feed
+            throttle.record(n, gain)
             limit = options.tokens if len(pending) > 1 else 1
-        _finish_rate(counters)
 
 
 def _round(
-    model: Model, state: SequenceState, last: int, draft: list[int], counters: dict
+    model: Model,
+    state: SequenceState,
+    last: int,
+    draft: list[int],
+    sampler: Sampler,
+    history: list[int],
+    stats,
+    track: drafts.MTPTrack | None,
+    keep: int,
 ) -> list[int]:
     """Feed `last` (plus a verified draft); return the newly decided tokens: the accepted
     draft (already in state) and the next token (not yet fed)."""
-    counters["forwards"] += 1
+    stats.forwards += 1
     if not draft:
-        out = model.forward([last], state, last_only=True)
-        return [int(mx.argmax(out[-1].astype(mx.float32), axis=-1).item())]
-    counters["rounds"] += 1
-    counters["drafted"] += len(draft)
+        if track is None:
+            out = model.forward([last], state, last_only=True)
+        else:
+            feats = model.forward_features([last], state)
+            out = model.net.logits_from_features(feats[-1:])
+            track.step(feats, last)
+        return [int(sampler(out[-1], history).item())]
+    stats.drafted += len(draft)
     base = state.offset
     recurrent = not state.can_truncate
     own_point = False
     if recurrent:
         own_point = base not in state.save_points  # never drop the session's own points
         state.save_point()
-    out = model.forward([last, *draft], state, last_only=False)
-    preds = mx.argmax(out.astype(mx.float32), axis=-1).tolist()
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == preds[accepted]:
-        accepted += 1
-    counters["accepted"] += accepted
+    feats = model.forward_features([last, *draft], state)
+    logits = model.net.logits_from_features(feats)
+    mx.eval(logits)
+    decided: list[int] = []
+    for i in range(len(draft) + 1):
+        token = int(sampler(logits[i], history + decided).item())
+        decided.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    accepted = len(decided) - 1
+    stats.accepted += accepted
     if accepted < len(draft):
-        keep = base + 1 + accepted
         if recurrent:
             # recurrent states cannot be cut: back to the save point, then feed the accepted
-            # tokens again (per-position GDN states from the verify pass would avoid this)
+            # tokens again
             state.truncate(base)
-            counters["forwards"] += 1
+            stats.forwards += 1
             model.forward([last, *draft[:accepted]], state, last_only=True)
         else:
-            state.truncate(keep)
+            state.truncate(base + 1 + accepted)
     if own_point:
         state._save_points.pop(base, None)
-    return [*draft[:accepted], int(preds[accepted])]
-
-
-def _finish_rate(counters: dict) -> None:
-    d = counters["drafted"]
-    counters["acceptance_rate"] = counters["accepted"] / d if d else 0.0
+    if track is not None:
+        track.settle(keep, feats, [last, *draft[:accepted]])
+    return decided

@@ -1,10 +1,12 @@
-"""n-gram speculative decoding (issue 13, greedy slice): the token stream equals plain greedy
-decoding, token for token, on the dense fixtures and tiny qwen3_5 (Gated DeltaNet layers that
-cannot be truncated). Oracle drafts (the plain stream's own continuation, partly corrupted)
-force long accepted runs and rejections at every offset, so rollback is really exercised."""
+"""Speculative decoding (issue 13): with drafts the token stream is the plain stream, token for
+token, greedy and seeded sampling alike: dense fixtures, the demo (n-gram drafts), tiny
+qwen3_5 and qwen4_exp (MTP drafts). Oracle drafts (the plain stream's own continuation, partly
+corrupted) force long accepted runs and rejections at every offset, so rollback is exercised;
+the MTP head's history is checked against a head fed the trunk's own features."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import mlx.core as mx
@@ -13,13 +15,16 @@ import pytest
 from helpers import dense_fixture
 
 import qwen38_backend
-from qwen38_backend import speculative
+from qwen38_backend import drafts, speculative
 from qwen38_backend.errors import InvalidOptionError
 from qwen38_backend.generation import GenerationStats
+from qwen38_backend.prefix_store import PrefixStore
 from qwen38_backend.request import split_options
-from qwen38_backend.sampling import SamplingParams
-from qwen38_backend.speculative import ngram_draft, parse_options
+from qwen38_backend.sampling import SamplingParams, filter_logprobs
+from qwen38_backend.speculative import DraftOptions, Throttle, parse_options, resolve
 from qwen38_backend.testing import make_tiny_weights
+
+NGRAM = {"draft": "ngram"}
 
 
 @pytest.fixture(scope="module")
@@ -32,31 +37,14 @@ def hybrid(tmp_path_factory):
     return qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path_factory.mktemp("q35"))))
 
 
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    return qwen38_backend.load(str(make_tiny_weights("qwen4_exp", tmp_path_factory.mktemp("q4"))))
+
+
 def run(model, prompt, n, **options):
     stream = model.generate_tokens(prompt, max_tokens=n, **options)
     return list(stream), stream.stats
-
-
-def test_ngram_draft_takes_the_longest_most_recent_match():
-    assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # "2 3" latest first
-    assert ngram_draft([1, 2, 3, 4, 8, 3, 4, 6, 2, 3, 4], 3) == [8, 3, 4]  # n=3 beats n=2
-    assert ngram_draft([5, 6, 7], 4) == []
-    assert ngram_draft([5, 6, 5], 4) == [6]  # a one-token match proposes one token
-    assert ngram_draft([5, 6, 7, 5, 6], 4) == [7, 5, 6]
-    assert ngram_draft([5, 6, 5], 0) == []
-
-
-def test_options_are_checked_and_unknown_names_still_refused():
-    assert parse_options({}) is None
-    assert parse_options({"speculative": "off"}) is None
-    assert parse_options({"speculative": "ngram", "speculative_tokens": 2}).tokens == 2
-    for bad in ({"speculative": "mtp?"}, {"speculative": "ngram", "speculative_tokens": 0}):
-        with pytest.raises(InvalidOptionError):
-            parse_options(bad)
-    _, _, _, request = split_options({"speculative": "ngram", "speculative_tokens": 3})
-    assert request == {"speculative": "ngram", "speculative_tokens": 3}
-    with pytest.raises(InvalidOptionError, match="speculativ"):
-        split_options({"speculativ": "ngram"})
 
 
 def repetitive(seed, period=5, repeats=5):
@@ -64,61 +52,107 @@ def repetitive(seed, period=5, repeats=5):
     return rng.integers(3, 200, size=period).tolist() * repeats
 
 
+# ----- options -------------------------------------------------------------------------------
+def test_ngram_draft_takes_the_longest_most_recent_match():
+    ngram = drafts.ngram_draft
+    assert ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # "2 3" latest first
+    assert ngram([1, 2, 3, 4, 8, 3, 4, 6, 2, 3, 4], 3) == [8, 3, 4]  # n=3 beats n=2
+    assert ngram([5, 6, 7], 4) == []
+    assert ngram([5, 6, 5], 4) == [6]  # a one-token match proposes one token
+    assert ngram([5, 6, 7, 5, 6], 4) == [7, 5, 6]
+    assert ngram([5, 6, 5], 0) == []
+
+
+def test_options_are_checked_and_resolved_against_the_model(dense, hybrid):
+    assert parse_options({}) == DraftOptions("auto", None)
+    assert parse_options({"draft": "ngram", "draft_tokens": 2}) == DraftOptions("ngram", 2)
+    for bad in ({"draft": "mtp?"}, {"draft": "ngram", "draft_tokens": 0}, {"draft_tokens": 1.5}):
+        with pytest.raises(InvalidOptionError, match="draft"):
+            parse_options(bad)
+    assert resolve(parse_options({}), dense) is None  # auto: no head, no drafts
+    assert resolve(parse_options({}), hybrid) == DraftOptions("mtp", 2)
+    assert resolve(parse_options({"draft": "ngram"}), hybrid) == DraftOptions("ngram", 4)
+    assert resolve(parse_options({"draft": "off"}), hybrid) is None
+    with pytest.raises(InvalidOptionError, match="no MTP head"):
+        dense.session(cache=False).request("hi", draft="mtp")
+    _, _, _, request = split_options({"draft": "ngram", "draft_tokens": 3})
+    assert request == {"draft": "ngram", "draft_tokens": 3}
+    with pytest.raises(InvalidOptionError, match="drafts"):
+        split_options({"drafts": "ngram"})
+
+
+def test_old_option_names_warn_and_map_to_the_new_ones():
+    with pytest.warns(DeprecationWarning, match="use 'draft'"):
+        assert parse_options({"speculative": "ngram"}) == DraftOptions("ngram", None)
+    with pytest.warns(DeprecationWarning, match="use 'draft_tokens'"):
+        assert parse_options({"speculative_tokens": 3}).tokens == 3
+    with pytest.warns(DeprecationWarning):
+        assert parse_options({"speculative": False}).mode == "off"
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidOptionError, match="disagree"):
+        parse_options({"speculative": "ngram", "draft": "off"})
+
+
+# ----- greedy: n-gram drafts -----------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_dense_ngram_equals_plain_and_accepts(dense, k):
     accepted = 0
     for seed in range(3):
         for prompt in (repetitive(seed), np.random.default_rng(seed).integers(3, 200, 17).tolist()):
             plain, _ = run(dense, prompt, 48, stop_token_ids=[])
-            spec, stats = run(
-                dense, prompt, 48, stop_token_ids=[], speculative="ngram", speculative_tokens=k
-            )
+            spec, stats = run(dense, prompt, 48, stop_token_ids=[], draft="ngram", draft_tokens=k)
             assert spec == plain
             assert stats.generated_tokens == 48 and stats.finish_reason == "length"
-            accepted += stats.speculative["accepted"]
-            assert stats.speculative["drafted"] >= stats.speculative["accepted"]
+            accepted += stats.accepted
+            assert stats.drafted >= stats.accepted
     assert accepted > 0  # the verify path really ran and kept drafts
+
+
+def test_one_token_prompts(dense, hybrid, flash):
+    for model, opts in ((dense, NGRAM), (hybrid, {"draft": "mtp"}), (flash, {"draft": "mtp"})):
+        for token in (5, 77):
+            plain, _ = run(model, [token], 20, stop_token_ids=[], draft="off")
+            spec, stats = run(model, [token], 20, stop_token_ids=[], **opts)
+            assert spec == plain and stats.draft == opts["draft"]
 
 
 def test_paged_kv_across_page_boundaries(dense):
     prompt = repetitive(7, period=3, repeats=4)
     opts = {"kv_paged": "on", "kv_page_tokens": 4, "stop_token_ids": []}
     plain, _ = run(dense, prompt, 40, **opts)
-    spec, stats = run(dense, prompt, 40, speculative="ngram", **opts)
-    assert spec == plain and stats.speculative["rounds"] > 0
+    spec, stats = run(dense, prompt, 40, **NGRAM, **opts)
+    assert spec == plain and stats.accepted > 0
 
 
 @pytest.fixture
 def oracle(monkeypatch):
-    """Drafts from the plain stream itself, each draft position corrupted with p=0.35."""
+    """n-gram drafts from the plain stream itself, each position corrupted with p=`bad`."""
 
-    def install(prompt, plain, seed=0):
+    def install(prompt, plain, seed=0, bad=0.35):
         rng = np.random.default_rng(seed)
 
         def draft(tokens, k, max_n=3):
             done = len(tokens) - len(prompt)  # generated tokens already in `tokens`
             out = list(plain[done : done + k])
             for i in range(len(out)):
-                if rng.random() < 0.35:
+                if rng.random() < bad:
                     out[i] = (out[i] + 1 + int(rng.integers(50))) % 200
             return out
 
-        monkeypatch.setattr(speculative, "ngram_draft", draft)
+        monkeypatch.setattr(drafts, "ngram_draft", draft)
 
     return install
 
 
-@pytest.mark.parametrize("which", ["dense", "hybrid"])
+@pytest.mark.parametrize("which", ["dense", "hybrid", "flash"])
 def test_oracle_drafts_roll_back_exactly(request, oracle, which):
     model = request.getfixturevalue(which)
     for seed in range(2):
         prompt = np.random.default_rng(seed).integers(3, 200, 9).tolist()
-        plain, _ = run(model, prompt, 32, stop_token_ids=[])
+        plain, _ = run(model, prompt, 32, stop_token_ids=[], draft="off")
         oracle(prompt, plain, seed)
-        spec, stats = run(model, prompt, 32, stop_token_ids=[], speculative="ngram")
+        spec, stats = run(model, prompt, 32, stop_token_ids=[], **NGRAM)
         assert spec == plain
-        sp = stats.speculative
-        assert sp["accepted"] > 0 and sp["accepted"] < sp["drafted"]  # both kinds of rounds
+        assert 0 < stats.accepted < stats.drafted  # both kinds of rounds
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 9])
@@ -126,7 +160,7 @@ def test_max_tokens_is_never_exceeded(dense, oracle, n):
     prompt = [11, 12, 13, 14]
     plain, _ = run(dense, prompt, n, stop_token_ids=[])
     oracle(prompt, run(dense, prompt, n + 8, stop_token_ids=[])[0])
-    spec, stats = run(dense, prompt, n, stop_token_ids=[], speculative="ngram")
+    spec, stats = run(dense, prompt, n, stop_token_ids=[], **NGRAM)
     assert spec == plain and len(spec) == n and stats.finish_reason == "length"
 
 
@@ -134,31 +168,252 @@ def test_max_tokens_is_never_exceeded(dense, oracle, n):
 def test_eos_inside_an_accepted_draft_ends_the_stream(request, monkeypatch, which):
     model = request.getfixturevalue(which)
     prompt = [21, 22, 23, 24, 25]
-    full, _ = run(model, prompt, 24, stop_token_ids=[])
+    full, _ = run(model, prompt, 24, stop_token_ids=[], draft="off")
     stop = full[6]
-    plain, pstats = run(model, prompt, 24, stop_token_ids=[stop])
+    plain, pstats = run(model, prompt, 24, stop_token_ids=[stop], draft="off")
     assert plain[-1] == stop and stop not in plain[:-1] and pstats.finish_reason == "stop"
 
     def draft(tokens, k, max_n=3):  # always the true continuation, running past the stop
         done = len(tokens) - len(prompt)
         return list(full[done : done + 4])
 
-    monkeypatch.setattr(speculative, "ngram_draft", draft)
-    spec, stats = run(model, prompt, 24, stop_token_ids=[stop], speculative="ngram")
+    monkeypatch.setattr(drafts, "ngram_draft", draft)
+    spec, stats = run(model, prompt, 24, stop_token_ids=[stop], **NGRAM)
     assert spec == plain and stats.finish_reason == "stop"
-    assert stats.speculative["accepted"] >= 4
+    assert stats.accepted >= 4
 
 
 def test_hybrid_drops_only_its_own_save_points(hybrid, oracle):
     session = hybrid.session(cache=False)
     prompt = np.random.default_rng(3).integers(3, 200, 9).tolist()
-    plain, _ = run(hybrid, prompt, 16, stop_token_ids=[])
+    plain, _ = run(hybrid, prompt, 16, stop_token_ids=[], draft="off")
     oracle(prompt, plain)
-    list(session.generate(prompt, max_tokens=16, stop_token_ids=[], speculative="ngram"))
-    assert session.last_stats.speculative["rounds"] > 0
+    list(session.generate(prompt, max_tokens=16, stop_token_ids=[], **NGRAM))
+    assert session.last_stats.drafted > 0
     assert session.state.save_points == [len(prompt)]  # the session's own prompt boundary
 
 
+def test_demo_model_ngram_equals_plain(demo_model):
+    session = demo_model.session(cache=False)
+    prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue."
+    ids = session.request(prompt, enable_thinking=False).ids
+    plain, _ = run(demo_model, ids, 16, draft="off")
+    spec, stats = run(demo_model, ids, 16, **NGRAM)
+    assert spec == plain and stats.accepted > 0
+
+
+# ----- greedy: MTP drafts --------------------------------------------------------------------
+@pytest.fixture
+def mtp_oracle(monkeypatch):
+    """The MTP head runs (its KV grows and chains as usual), but its proposal is replaced by
+    the plain stream's continuation, corrupted with p=0.35, so drafts are also accepted."""
+    real = drafts.MTPTrack.draft
+
+    def install(prompt, plain, seed=0):
+        rng = np.random.default_rng(seed)
+
+        def draft(self, net, next_token, k):
+            out, keep = real(self, net, next_token, k)
+            done = self.seen - len(prompt) + 1  # generated index of the first draft token
+            out = list(plain[done : done + k])
+            for i in range(len(out)):
+                if rng.random() < 0.35:
+                    out[i] = (out[i] + 1 + int(rng.integers(50))) % 200
+            return out, keep
+
+        monkeypatch.setattr(drafts.MTPTrack, "draft", draft)
+
+    return install
+
+
+def mtp_history_matches_the_trunk(model, state):
+    """The head's KV after decoding == a head fed the trunk's features of every position:
+    no entry computed from chained draft features survived the rollbacks. (Tolerance: the
+    reference runs the whole sequence through chunked Gated DeltaNet, decode steps did not.)"""
+    track = drafts._TRACKS[state]
+    track.flush(model.net)
+    tokens = state.tokens
+    ref_state = model.new_state()
+    feats = model.forward_features(tokens, ref_state)
+    ref = model.net.make_mtp_state()
+    mx.eval(model.net.mtp_advance(feats[:-1], mx.array(tokens[1:]), ref))
+    assert track.positions == list(range(len(tokens) - 1))
+    got, want = track.state.snapshot(), ref.snapshot()
+    assert got.keys() == want.keys()
+    for name in want:
+        a, b = np.array(got[name].astype(mx.float32)), np.array(want[name].astype(mx.float32))
+        assert a.shape == b.shape and np.allclose(a, b, atol=1e-4, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("which", ["hybrid", "flash"])
+def test_mtp_drafts_equal_plain_and_roll_back_the_head(request, mtp_oracle, which):
+    model = request.getfixturevalue(which)
+    for seed in range(2):
+        prompt = np.random.default_rng(seed + 10).integers(3, 200, 11).tolist()
+        plain, _ = run(model, prompt, 28, stop_token_ids=[], draft="off")
+        mtp_oracle(prompt, plain, seed)
+        state = model.new_state()
+        params = SamplingParams(max_tokens=28, stop_token_ids=[])
+        stream = model.run(prompt, state, params, DraftOptions("mtp", 3))
+        assert list(stream) == plain
+        assert 0 < stream.stats.accepted < stream.stats.drafted
+        # the last token was decided, not fed: the state holds prompt + all but it
+        assert state.tokens == prompt + plain[:-1]
+        mtp_history_matches_the_trunk(model, state)
+
+
+def test_mtp_is_the_default_for_a_model_with_a_head(hybrid):
+    prompt = [9, 8, 7, 6]
+    plain, _ = run(hybrid, prompt, 12, stop_token_ids=[], draft="off")
+    spec, stats = run(hybrid, prompt, 12, stop_token_ids=[])
+    assert spec == plain and stats.draft == "mtp" and stats.drafted > 0
+
+
+# ----- the Quest gate ------------------------------------------------------------------------
+QUEST = {"kv_paged": "on", "kv_page_tokens": 4, "kv_topk": 16, "kv_sinks": 4, "kv_recent": 4}
+
+
+def test_quest_gate_keeps_the_sparse_stream(dense, oracle, monkeypatch):
+    """Budget 4 pages of 4 tokens: decode reads every page up to 16 tokens, then selects.
+    With the gate, rounds stop before the crossover and the stream is the plain sparse one;
+    without it (rounds continuing in the sparse tail) the stream drifts."""
+    prompt = np.random.default_rng(2).integers(3, 200, 6).tolist()
+    opts = {**QUEST, "stop_token_ids": []}
+    plain, pstats = run(dense, prompt, 48, **opts)
+    assert pstats.kv["sparse_steps"] > 0  # the plain stream really went sparse
+    oracle(prompt, plain, bad=0.2)
+    spec, stats = run(dense, prompt, 48, **NGRAM, **opts)
+    assert spec == plain
+    assert stats.accepted > 0 and stats.gate_closed_at is not None
+    assert stats.gate_closed_at <= 16
+
+    monkeypatch.setattr(speculative, "gate_open", lambda state, through: True)
+    oracle(prompt, plain, bad=0.2)
+    ungated, _ = run(dense, prompt, 48, **NGRAM, **opts)
+    assert ungated != plain
+
+
+def test_quest_auto_mode_and_dense_through():
+    from qwen38_backend.kv.paged import PagedKV
+
+    on = PagedKV(page_tokens=4, budget=16, sinks=4, recent=4)
+    assert on.dense_through(16) and not on.dense_through(17)
+    auto = PagedKV(page_tokens=4, budget=16, sinks=4, recent=4, mode="auto")
+    assert auto.dense_through(4 * 16 - 1) and not auto.dense_through(4 * 16)
+    assert not PagedKV(page_tokens=4, always_select=True).dense_through(1)
+
+
+# ----- sampling ------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_seeded_sampling_is_the_plain_stream(request, oracle, which):
+    model = request.getfixturevalue(which)
+    prompt = np.random.default_rng(4).integers(3, 200, 8).tolist()
+    for seed in range(3):
+        opts = {"stop_token_ids": [], "temperature": 0.7, "top_k": 20, "seed": seed}
+        plain, _ = run(model, prompt, 24, **opts, draft="off")
+        oracle(prompt, plain, seed)
+        spec, stats = run(model, prompt, 24, **opts, **NGRAM)
+        assert spec == plain and 0 < stats.accepted < stats.drafted
+
+
+def exact_probs(model, ids, params):
+    """The plain sampler's distribution after `ids` (temperature, top_k), float64 [vocab]."""
+    logits = mx.array(model.logits(ids)[-1])
+    lp = logits / params.temperature
+    lp = filter_logprobs(lp - mx.logsumexp(lp), params.top_k, params.top_p, params.min_p)
+    p = np.exp(np.array(lp, dtype=np.float64))
+    return p / p.sum()
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic with cells of expected count < 5 pooled."""
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def test_sampling_with_drafts_matches_the_model_distribution(dense, monkeypatch):
+    """Joint frequencies of the first two sampled tokens over many seeds, drafting the most
+    likely second token (accepted when the sampler agrees, else the round's own token), fit
+    the model's exact joint distribution and the plain sampler's frequencies (chi-square,
+    p = 0.001); the same test rejects a distribution at another temperature."""
+    prompt = [17, 42, 99, 5]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, stop_token_ids=[])
+    p1 = exact_probs(dense, prompt, params)
+    firsts = np.nonzero(p1)[0]
+    cond = {int(t): exact_probs(dense, prompt + [int(t)], params) for t in firsts}
+    best = {t: int(np.argmax(p)) for t, p in cond.items()}
+    monkeypatch.setattr(drafts, "ngram_draft", lambda tokens, k, max_n=3: [best[tokens[-1]]])
+    vocab = p1.shape[0]
+    joint = np.zeros((vocab, vocab))
+    for t, p in cond.items():
+        joint[t] = p1[t] * p
+    n = 800
+    counts = {"ngram": np.zeros((vocab, vocab)), "off": np.zeros((vocab, vocab))}
+    drafted = accepted = 0
+    for mode, offset in (("ngram", 0), ("off", 10**6)):
+        for seed in range(n):
+            toks, stats = run(  # 3 tokens: room for a one-token draft after the first
+                dense, prompt, 3, stop_token_ids=[], temperature=1.0, top_k=6,
+                seed=seed + offset, draft=mode,
+            )  # fmt: skip
+            counts[mode][toks[0], toks[1]] += 1
+            if mode == "ngram":
+                drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert drafted >= n and 0.1 * n < accepted < 0.9 * n  # both branches taken often
+    stat, df = chi2(counts["ngram"].ravel(), n * joint.ravel())
+    assert stat < chi2_critical(df), (stat, df)
+    # two samples (drafts vs plain, independent seeds): contingency chi-square
+    both = counts["ngram"].ravel() + counts["off"].ravel()
+    cells = both >= 10
+    table = np.stack([counts["ngram"].ravel()[cells], counts["off"].ravel()[cells]])
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat2 = float(((table - expected) ** 2 / expected).sum())
+    assert stat2 < chi2_critical(int(cells.sum()) - 1), stat2
+    # power: the same counts against the distribution at temperature 0.7 fail
+    hot = SamplingParams(max_tokens=2, temperature=0.7, top_k=6)
+    q1 = exact_probs(dense, prompt, hot)
+    wrong = np.zeros((vocab, vocab))
+    for t in np.nonzero(q1)[0]:
+        wrong[t] = q1[t] * exact_probs(dense, prompt + [int(t)], hot)
+    stat3, df3 = chi2(counts["ngram"].ravel(), n * wrong.ravel())
+    assert stat3 > chi2_critical(df3), (stat3, df3)
+
+
+# ----- the throttle --------------------------------------------------------------------------
+def test_throttle_pauses_losing_drafts_and_doubles():
+    t = Throttle()
+    for i in range(speculative.WINDOW):
+        assert t.allows(i)
+        t.record(i, -0.3)
+    assert t.pauses == 1 and not t.allows(8) and t.allows(8 + speculative.FIRST_PAUSE)
+    t.record(30, 3.0)  # winning rounds never pause
+    for i in range(speculative.WINDOW - 1):
+        t.record(31 + i, -0.3)
+    assert t.pauses == 1  # 3.0 - 7 * 0.3 > 0
+    t.record(40, -0.3)  # the winning round leaves the window: 8 losing rounds
+    assert t.pauses == 2 and t.resume_at == 40 + 2 * speculative.FIRST_PAUSE
+
+
+def test_always_wrong_drafts_stop_being_drafted(dense, monkeypatch):
+    monkeypatch.setattr(drafts, "ngram_draft", lambda tokens, k, max_n=3: [1] * k)
+    prompt = [3, 4, 5]
+    plain, _ = run(dense, prompt, 120, stop_token_ids=[], draft="off")
+    assert 1 not in plain
+    spec, stats = run(dense, prompt, 120, stop_token_ids=[], **NGRAM)
+    assert spec == plain and stats.accepted == 0 and stats.throttle_pauses >= 2
+    # rounds: 8 before each pause; pauses of 16, 32, 64 tokens leave few rounds in 120
+    assert stats.drafted <= 4 * speculative.WINDOW + 4
+
+
+# ----- sessions: text, rewind, state files ---------------------------------------------------
 def test_session_text_and_fallbacks(dense):
     session = dense.session(cache=False)
     prompt = "one two three one two three one two three one two"
@@ -168,20 +423,39 @@ def test_session_text_and_fallbacks(dense):
         return "".join(e.text or "" for e in events if e.type == "text")
 
     plain = text()
-    assert text(speculative="ngram", speculative_tokens=3) == plain
-    assert session.last_stats.speculative["mode"] == "ngram"
-    # sampling, constraints and sparse selection decode plainly (no rounds, no counters)
-    text(speculative="ngram", temperature=0.7, seed=1)
-    assert session.last_stats.speculative == {}
-    text(speculative="ngram", kv_paged="on", kv_topk=64)
-    assert session.last_stats.speculative == {}
+    assert text(draft="ngram", draft_tokens=3) == plain
+    assert session.last_stats.draft == "ngram"
+    # logits processors (constraints) decode plainly (no rounds)
+    text(draft="ngram", logits_processors=[lambda history, logits: logits])
+    assert session.last_stats.draft is None and session.last_stats.forwards == 0
 
 
-@pytest.fixture(scope="module")
-def flash(tmp_path_factory):
-    return qwen38_backend.load(str(make_tiny_weights("qwen4_exp", tmp_path_factory.mktemp("q4"))))
+@pytest.mark.parametrize(("which", "mode"), [("dense", "ngram"), ("hybrid", "mtp")])
+def test_after_rewind_and_after_restoring_a_state_file(request, tmp_path, which, mode):
+    model = request.getfixturevalue(which)
+    first = repetitive(1, period=4, repeats=3)
+    more = repetitive(2, period=4, repeats=2)
+
+    def turns(draft, store_dir):
+        session = model.session(cache=PrefixStore(store_dir))
+        opts = {"max_tokens": 16, "stop_token_ids": [], "draft": draft}
+        list(session.generate(first, **opts))
+        after_first = session.state.tokens
+        session.rewind(session.state.offset - len(first))  # to the prompt boundary
+        params = SamplingParams(16, stop_token_ids=[])
+        second = list(model.run(more, session.state, params, resolve(DraftOptions(draft), model)))
+        # a fresh session restores the state file stored for the first prompt
+        fresh = model.session(cache=PrefixStore(store_dir))
+        list(fresh.generate(first + [7], **opts))
+        return after_first, second, fresh.last_stats.cached_tokens, fresh.state.tokens
+
+    plain = turns("off", tmp_path / "plain")
+    spec = turns(mode, tmp_path / "spec")
+    assert spec == plain
+    assert spec[2] == len(first)  # the third turn started from a restored state file
 
 
+# ----- the premise and cancel ----------------------------------------------------------------
 @pytest.mark.parametrize(
     ("which", "kv"),
     [
@@ -201,7 +475,8 @@ def test_verify_rows_equal_single_steps_on_cpu(request, which, kv):
     model.prefill(prefix, one)
     model.prefill(prefix, many)
     steps = [np.array(model.forward([t], one)[-1].astype(mx.float32)) for t in tail]
-    rows = np.array(model.forward(tail, many, last_only=False).astype(mx.float32))
+    feats = model.forward_features(tail, many)
+    rows = np.array(model.net.logits_from_features(feats).astype(mx.float32))
     for i, step in enumerate(steps):
         assert np.array_equal(rows[i], step), f"row {i} differs"
 
@@ -210,11 +485,11 @@ def test_flash_next_past_the_qsa_dense_threshold(flash, oracle):
     # the tiny config selects 2 blocks of 4 tokens: a 120-token prompt is deep in the sparse
     # regime, where each verify row selects its own blocks as a single step would
     prompt = np.random.default_rng(5).integers(3, 200, 120).tolist()
-    plain, _ = run(flash, prompt, 24, stop_token_ids=[])
+    plain, _ = run(flash, prompt, 24, stop_token_ids=[], draft="off")
     oracle(prompt, plain)
-    spec, stats = run(flash, prompt, 24, stop_token_ids=[], speculative="ngram")
+    spec, stats = run(flash, prompt, 24, stop_token_ids=[], **NGRAM)
     assert spec == plain
-    assert 0 < stats.speculative["accepted"] < stats.speculative["drafted"]
+    assert 0 < stats.accepted < stats.drafted
 
 
 def test_cancel_ends_after_the_current_token(dense, oracle):
@@ -226,19 +501,11 @@ def test_cancel_ends_after_the_current_token(dense, oracle):
     state = dense.new_state()
     logits = dense.prefill(prompt, state)
     got = []
+    params = SamplingParams(max_tokens=30, stop_token_ids=[])
     for token in dense.decode(
-        logits,
-        state,
-        stream_params(30),
-        stats,
-        cancel=cancel,
-        speculative=parse_options({"speculative": "ngram"}),
+        logits, state, params, stats, cancel=cancel, draft=DraftOptions("ngram", 4)
     ):
         got.append(token)
         if len(got) == 3:
             cancel.set()
     assert got == full[:3] and stats.finish_reason == "cancelled"
-
-
-def stream_params(n):
-    return SamplingParams(max_tokens=n, stop_token_ids=[])

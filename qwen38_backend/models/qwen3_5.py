@@ -127,6 +127,14 @@ class Qwen35Model(CausalLM):
             hidden, next_tokens, mtp_state, self.model.embed_tokens, self.logits_from_hidden
         )
 
+    def mtp_advance(self, features: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
+        self._require_mtp()
+        embeds = self.model.embed_tokens(next_tokens.reshape(-1))
+        return self.mtp.hidden(features, embeds, mtp_state)
+
+    def mtp_logits(self, mtp_features: mx.array) -> mx.array:
+        return self.logits_from_hidden(mtp_features)
+
     # ----- weights -------------------------------------------------------------------------
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """HF / mlx-lm names -> module names.
