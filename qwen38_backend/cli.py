@@ -48,6 +48,14 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
         help="KV tokens kept in RAM per attention layer; older pages spill to disk",
     )
     p.add_argument("--kv-spill-dir", default=None, help="directory for the KV spill files")
+    p.add_argument(
+        "--draft",
+        choices=["auto", "mtp", "ngram", "off"],
+        default=None,
+        help="speculative decoding drafts (same tokens, fewer forwards): auto = the MTP head "
+        "when the model has one; ngram = copy from earlier text (rewrites, quoting)",
+    )
+    p.add_argument("--draft-tokens", type=int, default=None, help="draft tokens per round (k)")
     p.add_argument("--stats", action="store_true", help="print usage and speed to stderr")
 
 
@@ -65,6 +73,9 @@ def _options(args: argparse.Namespace) -> dict:
 
     for name in sorted(KV_OPTION_KEYS):  # each has its --kv-... flag
         if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    for name in ("draft", "draft_tokens"):
+        if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     if args.think is not None:
         opts["enable_thinking"] = args.think
@@ -126,6 +137,11 @@ def _print_events(session, events, args: argparse.Namespace) -> str:
                 f"generated {s.generated_tokens}; prefill {s.prefill_tokens_per_second:.1f} tok/s, "
                 f"decode {s.decode_tokens_per_second:.1f} tok/s\n"
             )
+            if s.draft:
+                sys.stderr.write(
+                    f"draft {s.draft}: accepted {s.accepted}/{s.drafted} "
+                    f"({s.acceptance_rate:.0%}), {s.tokens_per_forward:.2f} tokens per forward\n"
+                )
     sys.stdout.write("\n")
     return "".join(answer)
 
@@ -185,11 +201,21 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    from .loading.registry import add_weights
+    from .errors import InvalidOptionError
 
-    name, target, weights = add_weights(args.path, args.name, make_default=args.default)
-    arch = weights.config.get("model_type", "?")
-    print(f"added {name} -> {target} ({arch}, {weights.format})")
+    if (args.path is None) == (args.url is None):
+        raise InvalidOptionError("give a PATH to weights or --url of a server (one of them)")
+    if args.url is not None:
+        from .loading.registry import add_served
+
+        name, url, model = add_served(args.url, args.name, args.model, args.default)
+        print(f"added {name} -> {model} served at {url}")
+    else:
+        from .loading.registry import add_weights
+
+        name, target, weights = add_weights(args.path, args.name, make_default=args.default)
+        arch = weights.config.get("model_type", "?")
+        print(f"added {name} -> {target} ({arch}, {weights.format})")
     if args.default:
         print(f"{name} is now the default model (`qwen38`, `llm -m qwen38`)")
     return 0
@@ -264,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("add", help="register weights under a name (shared with `llm qwen38`)")
-    p.add_argument("path", help="model directory (HF or MLX layout) or .gguf file")
+    p.add_argument("path", nargs="?", help="model directory (HF or MLX layout) or .gguf file")
+    p.add_argument("--url", default=None, help="instead: a `qwen38 serve` server's URL")
+    p.add_argument("--model", default=None, help="with --url: which served model")
     p.add_argument("--name", "-n", default=None, help="default: the directory or file name")
     p.add_argument("--default", action="store_true", help="also make it the default model")
     p.set_defaults(func=cmd_add)

@@ -261,6 +261,23 @@ def test_llm_plugin_against_the_server(server, local, tmp_path, monkeypatch):
     assert first["response_json"]["url"] == server.url
     assert 0 < second["response_json"]["cached_tokens"] < second["response_json"]["prompt_tokens"]
     assert second["token_details"]["cached_tokens"] == second["response_json"]["cached_tokens"]
+    # ChatQwen38 finds the same registry entry
+    from langchain_qwen38 import ChatQwen38
+
+    monkeypatch.setenv("QWEN38_HOME", str(cli.home))
+    chat = ChatQwen38(model="served", temperature=0, max_tokens=12)
+    assert chat.invoke(prompt).content == text
+    # a server that is not there is refused when added
+    down = cli("qwen38", "add", "--url", "http://127.0.0.1:9", "--name", "down", check=False)
+    assert down.returncode != 0 and "cannot reach" in down.stderr
+    # the engine's command shares the registry and can add servers too
+    added = subprocess.run(
+        [sys.executable, "-m", "qwen38_backend.cli", "add", "--url", server.url + "/v1/"],
+        env=cli.env,
+        capture_output=True,
+        text=True,
+    )
+    assert added.returncode == 0 and f"served at {server.url}" in added.stdout, added.stderr
     # the name is a server, not weights: loading it here is refused with the reason
     proc = subprocess.run(
         [sys.executable, "-m", "qwen38_backend.cli", "run", "served", "hi"],
