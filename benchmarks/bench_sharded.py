@@ -35,12 +35,12 @@ def median(values: list[float]) -> dict:
     return {"median": statistics.median(values), "runs": values}
 
 
-def check(args, group) -> dict:
+def check(args, group, dtype: str) -> dict:
     """Split vs whole logits and greedy tokens at full per-layer dims, few layers."""
     import mlx.core as mx
     import numpy as np
 
-    split, config, _ = random_model(args.dims, args.check_layers, args.dtype, group)
+    split, config, _ = random_model(args.dims, args.check_layers, dtype, group)
     ids = prompt(args.check_tokens, config["text_config"]["vocab_size"])
     got = np.array(split.logits(ids))
     tokens = list(split.generate_tokens(ids, max_tokens=16, temperature=0.0))
@@ -48,7 +48,7 @@ def check(args, group) -> dict:
     mx.clear_cache()
     if group.rank() != 0:
         return {}
-    whole, _, _ = random_model(args.dims, args.check_layers, args.dtype, None)
+    whole, _, _ = random_model(args.dims, args.check_layers, dtype, None)
     want = np.array(whole.logits(ids))
     want_tokens = list(whole.generate_tokens(ids, max_tokens=16, temperature=0.0))
     del whole
@@ -179,7 +179,9 @@ def main() -> None:
             "mlx": mx.__version__,
         }
         if not args.skip_check:
-            result["check"] = check(args, group)
+            # in the compute dtype, and in fp32 where rounding cannot hide a wrong cut
+            result["check"] = check(args, group, args.dtype)
+            result["check_float32"] = check(args, group, "float32")
         result["speed"] = speed(args, group)
         if group.rank() != 0:
             return
