@@ -38,6 +38,19 @@ def test_run_streams_an_answer_and_reports_stats(tmp_path, isolated_home):
     assert "generated 8" in out.stderr and "prefill" in out.stderr
 
 
+def test_run_with_drafts_prints_the_same_answer_and_their_figures(tmp_path, isolated_home):
+    model = dense_fixture("qwen3", tmp_path)
+    prompt = "one two three one two three one two three one two three"
+    args = ["run", str(model), prompt, "--max-tokens", "16", "--no-think", "--stats"]
+    plain = qwen38(*args, "--draft", "off", env_home=isolated_home)
+    drafted = qwen38(*args, "--draft", "ngram", "--draft-tokens", "3", env_home=isolated_home)
+    assert drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    assert "draft ngram: accepted" in drafted.stderr and "tokens per forward" in drafted.stderr
+    refused = qwen38(*args, "--draft", "mtp", env_home=isolated_home)
+    assert refused.returncode != 0 and "no MTP head" in refused.stderr
+
+
 def test_info_prints_architecture_and_memory_plan(tmp_path, isolated_home):
     model = dense_fixture("qwen2", tmp_path)
     out = qwen38("info", str(model), "--context", "1000", env_home=isolated_home)

@@ -287,6 +287,19 @@ def test_stream_concatenation_equals_invoke_for_seed() -> None:
     assert other.text != whole.text or other.additional_kwargs != whole.additional_kwargs
 
 
+def test_draft_option_and_its_figures_in_response_metadata() -> None:
+    """ChatQwen38(draft=...): the same answer as plain decoding; the figures come back."""
+    msgs = [HumanMessage("one two three one two three one two three one two three")]
+    plain = ChatQwen38(model=tiny_model("qwen3"), reasoning=False, max_tokens=30, draft="off")
+    drafted = ChatQwen38(model=tiny_model("qwen3"), reasoning=False, max_tokens=30, draft="ngram")
+    a, b = plain.invoke(msgs), drafted.invoke(msgs, draft_tokens=3)
+    assert a.text == b.text
+    assert a.response_metadata["draft"]["mode"] is None
+    meta = b.response_metadata["draft"]
+    assert meta["mode"] == "ngram" and meta["drafted"] >= meta["accepted"]
+    assert meta["tokens_per_forward"] > 0 and 0 <= meta["acceptance_rate"] <= 1
+
+
 @pytest.mark.parametrize("choice", ["any", "Order"])
 def test_forced_tool_call_matches_schema(tiny: ChatQwen38, choice: str) -> None:
     llm = tiny.bind_tools([Order, get_time], tool_choice=choice)

@@ -249,6 +249,23 @@ def test_usage_and_response_json(cli, tiny):
         assert key in rj
 
 
+def test_draft_options_and_response_json(cli, tiny):
+    """-o draft ngram -o draft_tokens 3: the same answer as -o draft off, and the draft
+    figures in response_json; a model without an MTP head refuses draft mtp by name."""
+    prompt = "one two three one two three one two three one two three"
+    common = ["-m", tiny, prompt, "-o", "max_tokens", "24", "-o", "cache", "false"]
+    plain = cli(*common, "-o", "draft", "off")
+    drafted = cli(*common, "-o", "draft", "ngram", "-o", "draft_tokens", "3")
+    assert drafted.stdout == plain.stdout
+    rows = cli.responses()
+    assert rows[-2]["response_json"]["draft"]["mode"] is None
+    draft = rows[-1]["response_json"]["draft"]
+    assert draft["mode"] == "ngram" and draft["drafted"] >= draft["accepted"]
+    assert {"acceptance_rate", "tokens_per_forward"} <= draft.keys()
+    refused = cli(*common, "-o", "draft", "mtp", check=False)
+    assert refused.returncode != 0 and "no MTP head" in refused.stderr
+
+
 def test_continue_in_a_new_process_restores_the_prefix(cli, tiny):
     cli("-m", "tiny", "hello there", "-o", "max_tokens", "5", "-o", "seed", "1")
     cli("-c", "and again", "-o", "max_tokens", "5", "-o", "seed", "1")

@@ -45,6 +45,14 @@ __all__ = ["ChatQwen38"]
 
 PROVIDER = "qwen38"
 _SAMPLING_FIELDS = ("temperature", "max_tokens", "top_p", "top_k", "min_p", "seed")
+_OPTION_FIELDS = (*_SAMPLING_FIELDS, "draft", "draft_tokens")
+
+
+def _draft_metadata(session: Any) -> dict[str, Any]:
+    """Speculative decoding's figures (drafted, accepted, acceptance_rate,
+    tokens_per_forward, ...) of an in-process generation, under "draft"."""
+    stats = getattr(session, "last_stats", None)
+    return {"draft": stats.draft_stats()} if stats is not None else {}
 
 
 class _Cancelled(Exception):
@@ -90,6 +98,12 @@ class ChatQwen38(BaseChatModel):
     """Seed for sampling; the same seed and prompt give the same output."""
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     """Stop strings (not included in the output)."""
+    draft: Literal["auto", "mtp", "ngram", "off"] | None = None
+    """Speculative decoding drafts (the same tokens, fewer forwards): None / `auto` = the MTP
+    head when the model has one; `ngram` = copy from earlier text; `off`. The figures are in
+    the last chunk's `response_metadata["draft"]`."""
+    draft_tokens: int | None = Field(default=None, ge=1, le=64)
+    """Draft tokens per round (k); None: the mode's default."""
     timeout: float | None = Field(default=None, gt=0)
     """Seconds a generation may run (waiting for a busy model included) before it is stopped
     with TimeoutError."""
@@ -143,7 +157,7 @@ class ChatQwen38(BaseChatModel):
             "base_url": self.base_url,
             "dtype": self.dtype,
             "reasoning": self.reasoning,
-            **{k: getattr(self, k) for k in _SAMPLING_FIELDS},
+            **{k: getattr(self, k) for k in _OPTION_FIELDS},
             "stop": self.stop,
             **self.model_kwargs,
         }
@@ -267,7 +281,7 @@ class ChatQwen38(BaseChatModel):
         kwargs.pop("stream", None)
         kwargs.pop("ls_structured_output_format", None)
         opts: dict[str, Any] = {}
-        for key in _SAMPLING_FIELDS:
+        for key in _OPTION_FIELDS:
             value = kwargs.pop(key, getattr(self, key))
             if value is not None:
                 opts[key] = value
@@ -318,7 +332,7 @@ class ChatQwen38(BaseChatModel):
                 session.state.extras.pop("rng_key", None)
             events = session.generate(request, cancel=cancelled)
             try:
-                for chunk in self._chunks_from_events(events, model_name, check):
+                for chunk in self._chunks_from_events(events, model_name, check, session):
                     emit(("chunk", chunk))
             finally:
                 events.close()
@@ -359,7 +373,7 @@ class ChatQwen38(BaseChatModel):
 
     @staticmethod
     def _chunks_from_events(
-        events: Iterator[Any], model_name: str, check: Callable[[], None]
+        events: Iterator[Any], model_name: str, check: Callable[[], None], session: Any = None
     ) -> Iterator[AIMessageChunk]:
         n_calls = 0
         for event in events:
@@ -402,6 +416,7 @@ class ChatQwen38(BaseChatModel):
                         "model_name": model_name,
                         "model_provider": PROVIDER,
                         "finish_reason": finish,
+                        **_draft_metadata(session),
                     },
                     chunk_position="last",
                 )

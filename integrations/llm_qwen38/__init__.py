@@ -59,6 +59,14 @@ class Qwen38Options(llm.Options):
     kv_spill_dir: str | None = Field(
         default=None, description="Directory for the KV spill files (default: the cache dir)"
     )
+    draft: Literal["auto", "mtp", "ngram", "off"] | None = Field(
+        default=None,
+        description="Speculative decoding drafts (same tokens, fewer forwards): auto (default) "
+        "= the MTP head when the model has one; ngram = copy from earlier text; off",
+    )
+    draft_tokens: int | None = Field(
+        default=None, ge=1, le=64, description="Draft tokens per round (k)"
+    )
     cache: bool | None = Field(
         default=None,
         description="Reuse computed prefixes (live session, state files on disk); default on",

@@ -272,6 +272,7 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
         "prefill_seconds": round(stats.prefill_seconds, 4) if stats else 0,
         "decode_seconds": round(stats.decode_seconds, 4) if stats else 0,
         "kv": dict(stats.kv) if stats else {},
+        "draft": stats.draft_stats() if stats else {},
         "constrained": req.constrained,
         "incomplete": incomplete,
     }
