@@ -63,7 +63,16 @@ from .kv.pool import grown_capacity
 from .kv.quest import forced_pages
 
 PLAN_OPTIONS = frozenset(
-    {"dtype", "weights_dtype", "kv_dtype", "prefill_chunk", "mtp", "fused_attention", "available"}
+    {
+        "dtype",
+        "weights_dtype",
+        "kv_dtype",
+        "prefill_chunk",
+        "mtp",
+        "fused_attention",
+        "available",
+        "ranks",
+    }
     | KV_OPTION_KEYS
 )
 
@@ -99,6 +108,7 @@ class MemoryPlan:
     pool_pages: int | None = None  # per attention layer (paged); None: unbounded
     selection_pages: int = 0  # pages a sparse decode step may need resident at once
     spill_dir: Path | None = None  # where the spill file goes (when kv_spill > 0)
+    ranks: int = 1  # the plan is one rank's of a model split over this many
 
     def __getitem__(self, name: str) -> int:
         return sum(c.nbytes for c in self.components if c.name == name)
@@ -129,6 +139,7 @@ class MemoryPlan:
             "family": self.family,
             "context": self.context,
             "dtype": self.dtype,
+            "ranks": self.ranks,
             "components": {c.name: {"bytes": c.nbytes, "where": c.where} for c in self.components},
             "ram_bytes": self.ram,
             "disk_bytes": self.disk,
@@ -227,7 +238,10 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     Options: dtype (state/activation dtype), weights_dtype, kv_dtype, prefill_chunk (512),
     prompt_tokens (how many of the context are prefilled; default all), kv_paged,
     kv_page_tokens (32), kv_pool_tokens (resident KV rows; the rest spills to disk),
-    mtp (default: on when the config has an MTP head), fused_attention (default: on GPU).
+    mtp (default: on when the config has an MTP head), fused_attention (default: on GPU),
+    ranks (the model split over that many mx.distributed ranks: the plan is one rank's, with
+    its share of the weights, KV heads and Gated DeltaNet heads; default: a loaded Model's
+    world size, else 1).
     """
     prompt_tokens = options.pop("prompt_tokens", None)
     unknown = set(options) - PLAN_OPTIONS
@@ -257,15 +271,25 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     act = _BYTES[dtype]
     kvb = _BYTES[kvdtype]
 
+    ranks = options.get("ranks") or getattr(config_or_model, "world_size", 1)
+    if not isinstance(ranks, int) or ranks < 1:
+        raise InvalidOptionError(f"ranks must be a positive number of ranks, got {ranks!r}")
     if net is None:
         from .models import build_model
 
         net = build_model(config)  # lazy: parameters are not allocated until evaluated
         built = True
+        if ranks > 1:  # cut as load(group=) would; still lazy, and refused as it would be
+            net.shard(RankShare(0, ranks))
     else:
         built = False
+        if ranks != getattr(config_or_model, "world_size", 1):
+            raise InvalidOptionError(
+                f"ranks={ranks}: this model is loaded on "
+                f"{getattr(config_or_model, 'world_size', 1)} rank(s); plan from its config"
+            )
     cfg = net.config
-    plan = MemoryPlan(family=family, context=context, dtype=dtype)
+    plan = MemoryPlan(family=family, context=context, dtype=dtype, ranks=ranks)
     add = plan.components.append
 
     # --- weights
@@ -282,7 +306,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     linear = [t == "linear_attention" for t in types]
     n_attn = sum(1 for x in linear if not x)
     n_lin = n_layers - n_attn
-    hkv, hd, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    hkv, hd, hq = cfg.num_key_value_heads // ranks, cfg.head_dim, cfg.num_attention_heads // ranks
     per_token = n_attn * hkv * hd * 2 * kvb
 
     chunk = int(options.get("prefill_chunk") or 512)
@@ -380,7 +404,8 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     # --- recurrent state
     if n_lin:
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+        hv //= ranks
+        conv_dim = 2 * (cfg.linear_num_key_heads // ranks) * dk + hv * dv
         k = cfg.linear_conv_kernel_dim
         rec = n_lin * hv * dk * dv * 4
         conv = n_lin * (k - 1) * conv_dim * act
@@ -426,7 +451,8 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     mtp_on = options.get("mtp")
     mtp_on = n_mtp > 0 if mtp_on is None else bool(mtp_on) and n_mtp > 0
     if mtp_on:
-        mtp_kv = n_mtp * layer_token * _contiguous_rows(schedule)[0]  # its own contiguous KV
+        # its own contiguous KV; the head is whole on every rank
+        mtp_kv = n_mtp * layer_token * ranks * _contiguous_rows(schedule)[0]
         mtp_idx = 0
         if qsa:
             mtp_idx = n_mtp * (raw_rows + pooled_rows) * idx_dim * act
@@ -468,6 +494,19 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         )
     )
     return plan
+
+
+class RankShare:
+    """What `shard` asks of a group (rank and size), for planning one rank's share."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
 
 
 def _block_schedule(schedule: list[int], ratio: int) -> list[int]:
@@ -633,6 +672,8 @@ def format_plan(
     """The plan as a table: every component in bytes (and human units), then the totals,
     and when `available` / the spill directory's free space are known, whether it fits."""
     lines = [f"memory plan: {plan.family}, {plan.context:,} tokens, {plan.dtype}"]
+    if plan.ranks > 1:
+        lines[0] += f", per rank of {plan.ranks} (each rank needs this much)"
     width = max(len(c.name) for c in plan.components)
     for c in plan.components:
         lines.append(

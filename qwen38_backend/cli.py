@@ -196,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from .info import describe
 
-    print(describe(args.model, context=args.context))
+    print(describe(args.model, context=args.context, ranks=args.ranks))
     return 0
 
 
@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="architecture, parameters, dtype, bytes, context")
     p.add_argument("model")
     p.add_argument("--context", type=int, default=None, help="print the memory plan for N tokens")
+    p.add_argument(
+        "--ranks", type=int, default=1, help="plan one rank of the model split over N ranks"
+    )
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("add", help="register weights under a name (shared with `llm qwen38`)")

@@ -38,10 +38,13 @@ def weights_summary(weights) -> dict:
     }
 
 
-def describe(name_or_path: str, context: int | None = None, **kv_options) -> str:
+def describe(
+    name_or_path: str, context: int | None = None, ranks: int = 1, **kv_options
+) -> str:
     """What `qwen38 info` prints; with `context`, the memory plan for that many tokens with
     the KV options given (default: the contiguous store) and, when none are given, the
-    paged store with the SSD tier beside it: pool, spill and whether each fits."""
+    paged store with the SSD tier beside it: pool, spill and whether each fits. `ranks`: the
+    plan of one rank of the model split over that many (`load(group=)`)."""
     from .loading import read_weights
     from .loading.registry import resolve
 
@@ -66,6 +69,7 @@ def describe(name_or_path: str, context: int | None = None, **kv_options) -> str
         on_cpu = mx.default_device() == mx.cpu
         opts = {"dtype": "float32", "weights_dtype": "float32"} if on_cpu else {}
         available = available_memory()
+        opts["ranks"] = ranks
         plan = memory_plan(weights.config, context, available=available, **opts, **kv_options)
         lines += ["", format_plan(plan, available), f"  verdict: {plan_verdict(plan, available)}"]
         if not kv_options:

@@ -16,6 +16,7 @@ import pytest
 from helpers import dense_fixture
 
 import qwen38_backend
+from qwen38_backend.admission import memory_plan
 from qwen38_backend.errors import ShardingError, StateFileError
 from qwen38_backend.state_files import read_state_file, save_state_file
 from qwen38_backend.testing import make_tiny_weights
@@ -79,6 +80,10 @@ def test_two_ranks_equal_one(arch, models, tmp_path):
     whole.prefill(PROMPT, state)
     after = np.array(whole.forward(want[:1], state, last_only=True).astype(mx.float32))
     assert np.abs(got["after_restore"] - after).max() <= 1e-5 * max(np.abs(after).max(), 1.0)
+    # admission plans one rank's share: its parameter bytes are what rank 0 holds
+    plan = memory_plan(whole.weights.config, 64, ranks=2, dtype="float32")
+    assert plan.weights == int(got["weights_bytes"])
+    assert plan.weights < memory_plan(whole.weights.config, 64, dtype="float32").weights
     # a rank's state file is refused by a process that is not that rank of that world size
     with pytest.raises(StateFileError, match="rank 0 of a model split over 2 rank"):
         read_state_file(tmp_path / "rank0.state", whole)

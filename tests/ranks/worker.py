@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 import qwen38_backend
 from qwen38_backend.state_files import restore_state_file, save_state_file
@@ -60,6 +61,7 @@ def main() -> None:
             tokens=np.array(tokens),
             paged=np.array(paged),
             after_restore=np.array(logits_after.astype(mx.float32)),
+            weights_bytes=np.array(sum(p.nbytes for _, p in tree_flatten(model.net.parameters()))),
         )
         (args.out / "meta.json").write_text(json.dumps({"world": group.size()}))
 
