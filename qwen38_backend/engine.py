@@ -28,23 +28,26 @@ def state_arrays(state: SequenceState) -> list[mx.array]:
     after a prefill chunk so lazy graphs do not pile up across chunks."""
     out: list[mx.array] = []
     seen: set[int] = set()
-
-    def collect(value: Any) -> None:
-        if isinstance(value, mx.array):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                collect(v)
-        elif isinstance(value, dict):
-            for v in value.values():
-                collect(v)
-        elif hasattr(value, "__dict__") and id(value) not in seen:
-            seen.add(id(value))
-            collect(vars(value))
-
     for layer in state.layers:
-        collect(layer)
+        _collect_arrays(layer, out, seen)
     return out
+
+
+def _collect_arrays(value: Any, out: list[mx.array], seen: set[int]) -> None:
+    # a module-level function, not a closure that calls itself: such a closure is a reference
+    # cycle, which kept every collected array (old KV buffers too) alive until the next
+    # garbage collection
+    if isinstance(value, mx.array):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_arrays(v, out, seen)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_arrays(v, out, seen)
+    elif hasattr(value, "__dict__") and id(value) not in seen:
+        seen.add(id(value))
+        _collect_arrays(vars(value), out, seen)
 
 
 def default_prefill_chunk() -> int:

@@ -162,6 +162,18 @@ class Session:
         # weights are already resident (loaded), so only per-sequence memory is new
         admit(plan, available, include_weights=False)
 
+    def close(self) -> None:
+        """Drop the live state and its spill file (the prefix store's state files stay)."""
+        if self.state is not None:
+            self.state.close()
+            self.state = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ----- generation ---------------------------------------------------------------------
     def rewind(self, n: int) -> None:
         """Drop the last n tokens of the live state (recurrent layers: to a save point)."""
@@ -185,6 +197,8 @@ class Session:
         ids, params, kv = req.ids, req.params, req.kv
         self._admit(ids, params, kv)
         state = self._prepare_state(ids, kv)
+        if self.state is not None and self.state is not state:
+            self.state.close()  # replaced: its spill file goes now, not at garbage collection
         self.state = state
         cached = state.offset
         recurrent = not state.can_truncate

@@ -43,5 +43,7 @@ class SessionPool:
         return best
 
     def clear(self) -> None:
-        """Forget every live state (their memory is freed with them)."""
+        """Forget every live state (their memory is freed with them, spill files now)."""
+        for session in self.sessions:
+            session.close()
         self.sessions.clear()

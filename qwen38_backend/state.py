@@ -103,6 +103,21 @@ class SequenceState:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def close(self) -> None:
+        """Release what outlives the arrays: the spill file of a paged store (also nested in
+        a QSA state). Idempotent; the state must not be used afterwards."""
+        for layer in self.layers:
+            for store in (layer, getattr(layer, "kv", None)):
+                close = getattr(store, "close", None)
+                if callable(close):
+                    close()
+
+    def __enter__(self) -> SequenceState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def reserve(self, n: int) -> None:
         """Room for n more tokens in every layer that grows (KV, indexer keys) before they
         come: a speculative verify's k + 1 rows then append without moving live buffers."""

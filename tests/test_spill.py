@@ -378,3 +378,27 @@ def test_default_spill_dir_is_under_the_cache_dir(dense, isolated_home):
     assert factory_.spill.path.parent == isolated_home / "cache" / "kv-spill"
     state.layers[0].close()
     assert not factory_.spill.path.exists()
+
+
+def test_session_closes_its_spill_file_without_garbage_collection(dense, tmp_path):
+    """The file goes when the session says so (close, a replaced state, `with`), not when a
+    collector gets round to it: a long-lived process would otherwise keep gigabytes."""
+    opts = {"kv_pool_tokens": 10 * P, "kv_page_tokens": P, "kv_spill_dir": str(tmp_path)}
+    ids = prompt(150, dense.config.vocab_size, seed=13)
+    gc.disable()  # prove the removal does not wait for a collection
+    try:
+        with dense.session(cache=False, **opts) as session:
+            list(session.generate(ids, max_tokens=3, temperature=0.0))
+            first = set(tmp_path.glob("kv-*.spill"))
+            assert len(first) == 1
+            # cache=False: the next call builds a fresh state; the old one's file goes
+            list(session.generate(ids[::-1], max_tokens=3, temperature=0.0))
+            second = set(tmp_path.glob("kv-*.spill"))
+            assert len(second) == 1 and second != first
+        assert not list(tmp_path.glob("kv-*.spill"))
+        with dense.new_state(**opts) as state:
+            dense.prefill(ids, state)
+            assert list(tmp_path.glob("kv-*.spill"))
+        assert not list(tmp_path.glob("kv-*.spill"))
+    finally:
+        gc.enable()
