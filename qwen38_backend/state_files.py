@@ -141,24 +141,6 @@ class StateFileInfo:
     tokens: list[int]
 
 
-def _flatten(snap: StateSnapshot) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    tensors: dict[str, mx.array] = {}
-    for i, layer in enumerate(snap.layers):
-        for key, value in layer.items():
-            tensors[f"layers.{i}.{key}"] = value
-    extras_json: dict[str, Any] = {}
-    for key, value in snap.extras.items():
-        if isinstance(value, mx.array):
-            tensors[f"extras.{key}"] = value
-        else:
-            try:
-                json.dumps(value)
-            except TypeError:
-                continue  # not portable (e.g. a callable): a restored state rebuilds it
-            extras_json[key] = value
-    return tensors, extras_json
-
-
 def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -171,91 +153,197 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[n:]
 
 
+# A live state of at least this many bytes is written one layer at a time (below it, the
+# whole state is evaluated at once and the header sized exactly, with no reserve padding).
+STREAM_BYTES = 64 << 20
+
+
 def save_state_file(
     path: str | Path, state: SequenceState | StateSnapshot, model: Any
 ) -> StateFileInfo:
     """Write `state` (or a snapshot of it) to `path` atomically; returns the header info.
 
+    A large live SequenceState (STREAM_BYTES and up) is written one layer at a time (each
+    layer's snapshot evaluated, hashed, written and dropped before the next), so saving a
+    sequence whose KV pages are spilled to disk holds one layer's KV in RAM, not the whole
+    sequence; its data goes behind a reserved header area, filled in (space-padded) once
+    every checksum is known.
+
     Raises StateFileError (with the OS reason, e.g. "No space left on device") when the file
     cannot be written; the destination is then untouched and no temp file is left behind.
     """
     path = Path(path)
-    snap = state.snapshot() if isinstance(state, SequenceState) else state
-    tensors, extras_json = _flatten(snap)
-    mx.eval(list(tensors.values()))
-    table: dict[str, Any] = {}
-    entries: dict[str, Any] = {}
-    blobs: list[bytes | memoryview] = []
-    offset = 0
-    for name in sorted(tensors):
-        a = tensors[name]
-        st_name = _DTYPES.get(a.dtype, (None,))[0]
-        if st_name is None:
-            raise StateFileError(f"tensor {name}: dtype {a.dtype} cannot be stored")
-        raw = _raw_bytes(a)
-        n = len(raw)
-        table[name] = {
-            "dtype": st_name,
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        entries[name] = {
-            "dtype": st_name,
-            "shape": list(a.shape),
-            "nbytes": n,
-            "sha256": hashlib.sha256(raw).hexdigest(),
-        }
-        blobs.append(raw)
-        offset += n
+    stream = isinstance(state, SequenceState) and state.nbytes() >= STREAM_BYTES
+    if isinstance(state, SequenceState) and not stream:
+        state = state.snapshot()
+    if isinstance(state, SequenceState):
+        tokens, extras, kinds = state.tokens, dict(state.extras), state.kinds()
+        n_layers = len(state.layers)
+        layers = (layer.snapshot() for layer in state.layers)
+    else:
+        tokens, extras, kinds = state.tokens, state.extras, state.kinds
+        n_layers = len(state.layers)
+        layers = iter(state.layers)
+    extra_tensors, extras_json = _split_extras(extras)
+    groups = (
+        (f"{prefix}{i}." if prefix == "layers." else prefix, group)
+        for prefix, source in (("layers.", layers), ("extras.", iter([extra_tensors])))
+        for i, group in enumerate(source)
+    )
     meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "model_fingerprint": model_fingerprint(model),
         "ranks": _ranks(model),
         "dtype": _dtype_name(model),
-        "n_tokens": len(snap.tokens),
-        "tokens": [int(t) for t in snap.tokens],
-        "n_layers": len(snap.layers),
-        "kinds": list(snap.kinds) if snap.kinds is not None else None,
+        "n_tokens": len(tokens),
+        "tokens": [int(t) for t in tokens],
+        "n_layers": n_layers,
+        "kinds": list(kinds) if kinds is not None else None,
         "extras": extras_json,
-        "tensors": entries,
+        "tensors": {},
         "created": time.time(),
     }
-    meta["header_sha256"] = _header_digest(meta)
-    table["__metadata__"] = {META_KEY: json.dumps(meta, separators=(",", ":"))}
-    header = json.dumps(table, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)  # safetensors aligns the data start to 8 bytes
+    table: dict[str, Any] = {}
+    if stream:
+        reserve = _header_reserve(len(tokens), n_layers, len(extra_tensors), extras_json)
+        pending: list[bytes | memoryview] = []
+    else:  # everything in memory: hash it all first, the header is then exact
+        pending, reserve = _describe(groups, table, meta["tensors"]), 0
+        groups = iter(())
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     fd = -1
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        _write_all(fd, struct.pack("<Q", len(header)))
-        _write_all(fd, header)
-        for blob in blobs:
-            _write_all(fd, blob)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        if stream:
+            os.lseek(fd, 8 + reserve, os.SEEK_SET)
+            for group in groups:  # one layer's arrays alive at a time
+                for raw in _describe(iter([group]), table, meta["tensors"]):
+                    _write_all(fd, raw)
+        nbytes = sum(e["nbytes"] for e in meta["tensors"].values())
+        header = _header(table, meta)
+        if not stream:
+            _write_all(fd, struct.pack("<Q", len(header)) + header)
+            for raw in pending:
+                _write_all(fd, raw)
+        elif len(header) > reserve:
+            fd = _relocate(fd, tmp, reserve, nbytes, header)
+        else:
+            header += b" " * (reserve - len(header))  # JSON ends in padding spaces
+            os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
         os.fsync(fd)
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError as e:
-        if fd >= 0:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
+        _discard(fd, tmp)
         reason = e.strerror or str(e)
         raise StateFileError(f"could not write state file {path}: {reason}") from e
+    except BaseException:
+        _discard(fd, tmp)
+        raise
     return StateFileInfo(
         path=path,
         model_fingerprint=meta["model_fingerprint"],
         n_tokens=meta["n_tokens"],
-        nbytes=8 + len(header) + offset,
+        nbytes=8 + max(len(header), reserve) + nbytes,
         created=meta["created"],
         dtype=meta["dtype"],
         kinds=meta["kinds"] or [],
         tokens=meta["tokens"],
     )
+
+
+def _describe(groups, table: dict[str, Any], entries: dict[str, Any]) -> list[memoryview]:
+    """Evaluate each (prefix, {key: array}) group, enter its tensors in the safetensors table
+    and the header (offsets follow on from what is already there); returns their bytes."""
+    offset = sum(e["nbytes"] for e in entries.values())
+    out = []
+    for prefix, group in groups:
+        mx.eval(list(group.values()))
+        for key in sorted(group):
+            name, a = prefix + key, group[key]
+            st_name = _DTYPES.get(a.dtype, (None,))[0]
+            if st_name is None:
+                raise StateFileError(f"tensor {name}: dtype {a.dtype} cannot be stored")
+            raw = _raw_bytes(a)
+            n = len(raw)
+            shape = list(a.shape)
+            table[name] = {"dtype": st_name, "shape": shape, "data_offsets": [offset, offset + n]}
+            entries[name] = {
+                "dtype": st_name,
+                "shape": shape,
+                "nbytes": n,
+                "sha256": hashlib.sha256(raw).hexdigest(),
+            }
+            out.append(raw)
+            offset += n
+    return out
+
+
+def _header(table: dict[str, Any], meta: dict[str, Any]) -> bytes:
+    meta["header_sha256"] = _header_digest(meta)
+    table["__metadata__"] = {META_KEY: json.dumps(meta, separators=(",", ":"))}
+    header = json.dumps(table, separators=(",", ":")).encode()
+    return header + b" " * (-len(header) % 8)  # safetensors aligns the data start to 8 bytes
+
+
+def _discard(fd: int, tmp: Path) -> None:
+    if fd >= 0:
+        os.close(fd)
+    tmp.unlink(missing_ok=True)
+
+
+def _split_extras(extras: dict[str, Any]) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """(array extras, JSON-portable extras); anything else (e.g. a callable) is dropped: a
+    restored state rebuilds it."""
+    arrays: dict[str, mx.array] = {}
+    portable: dict[str, Any] = {}
+    for key, value in extras.items():
+        if isinstance(value, mx.array):
+            arrays[key] = value
+            continue
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        portable[key] = value
+    return arrays, portable
+
+
+def _header_reserve(n_tokens: int, n_layers: int, n_extras: int, extras_json: Any) -> int:
+    """Bytes set aside for the header before the data is written: token ids at most 11
+    characters each, every tensor's table and header entries well under 1 KiB (a layer has
+    a few tensors, 16 at most), and the fixed fields; a multiple of 8 (data alignment)."""
+    tensors = 16 * n_layers + n_extras
+    n = 4096 + 12 * n_tokens + 1024 * tensors + 2 * len(json.dumps(extras_json))
+    return n + (-n % 8)
+
+
+def _relocate(fd: int, tmp: Path, reserve: int, nbytes: int, header: bytes) -> int:
+    """The header outgrew its reserve (never expected): write it and copy the data behind
+    it into a new temp file, which replaces `tmp`. Returns the new file's descriptor."""
+    moved = tmp.with_name(tmp.name + ".moved")
+    out = os.open(moved, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(out, struct.pack("<Q", len(header)) + header)
+        done = 0
+        while done < nbytes:
+            chunk = os.pread(fd, min(64 << 20, nbytes - done), 8 + reserve + done)
+            if not chunk:
+                raise OSError(errno.EIO, "short read while moving state file data")
+            _write_all(out, chunk)
+            done += len(chunk)
+        os.replace(moved, tmp)
+    except BaseException:
+        os.close(out)
+        moved.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return out
 
 
 def _fsync_dir(directory: Path) -> None:

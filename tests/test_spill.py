@@ -402,3 +402,34 @@ def test_session_closes_its_spill_file_without_garbage_collection(dense, tmp_pat
         assert not list(tmp_path.glob("kv-*.spill"))
     finally:
         gc.enable()
+
+
+def test_saving_a_spilled_sequence_streams_one_layer_at_a_time(dense, tmp_path, monkeypatch):
+    """A large state is written layer by layer: each layer's KV (spilled pages read back) is
+    written before the next layer's is read, and the file restores to the same tokens."""
+    import qwen38_backend.state_files as state_files
+
+    ids = prompt(160, dense.config.vocab_size, seed=14)
+    _, state = greedy(dense.net, ids, factory(tmp_path / "a", 4 * P, pool_pages=10), n=4)
+    assert state.layers[0].table.n_spilled > 0
+    events: list[str] = []
+    snapshot, write_all = PagedKV.snapshot, state_files._write_all
+    monkeypatch.setattr(PagedKV, "snapshot", lambda self: events.append("read") or snapshot(self))
+    monkeypatch.setattr(
+        state_files, "_write_all", lambda fd, data: events.append("write") or write_all(fd, data)
+    )
+    monkeypatch.setattr(state_files, "STREAM_BYTES", 0)  # this tiny state counts as large
+    path = save_state_file(tmp_path / "s.ckpt.safetensors", state, dense).path
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    assert len(reads) == len(state.layers) >= 2
+    assert all("write" in events[a:b] for a, b in zip(reads, reads[1:], strict=False))
+    monkeypatch.setattr(state_files, "STREAM_BYTES", 1 << 40)
+    eager = save_state_file(tmp_path / "e.ckpt.safetensors", state, dense).path
+    more = prompt(20, dense.config.vocab_size, seed=15)
+    outs = []
+    for saved in (path, eager):
+        restored = dense.net.make_state(kv_factory=factory(None, 4 * P, None))
+        restored.restore(read_state_file(saved, dense))
+        outs.append(greedy(dense.net, more, None, n=10, state=restored)[0])
+    outs.append(greedy(dense.net, more, None, n=10, state=state)[0])
+    assert outs[0] == outs[1] == outs[2]
