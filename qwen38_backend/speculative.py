@@ -24,7 +24,7 @@ the verify as a single step would, so it needs no gate (tested past its dense th
 Throttle: a round costs more than a plain step (measured, demo model on this 2-core CPU with
 OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 (T - 1)
 steps for T >= 2). Each round's gain is its tokens minus its cost in steps (plus the re-feed
-after a rejection on recurrent models and 0.1 step per MTP draft token); when the last 8
+after a rejection on recurrent models and 0.1 step per MTP draft token); when the last 4
 rounds together gained nothing, drafting pauses for 16 tokens, then 32, 64, ... so a stream
 where drafts keep failing ends up decoding plainly at a bounded loss.
 """
@@ -59,7 +59,7 @@ DEFAULT_TOKENS = {"ngram": 4, "mtp": 2}
 MAX_TOKENS = 64
 
 # the throttle (module docstring)
-WINDOW = 8
+WINDOW = 4
 FIRST_PAUSE = 16
 MTP_STEP_COST = 0.1
 

@@ -293,6 +293,19 @@ def test_quest_gate_keeps_the_sparse_stream(dense, oracle, monkeypatch):
     assert ungated != plain
 
 
+def test_mtp_rounds_under_quest_and_past_the_qsa_threshold(hybrid, flash, mtp_oracle):
+    """MTP drafts: qwen3_5 with paged KV + Quest across the sparse crossover (the gate closes
+    the rounds), Flash-Next with a prompt deep in QSA's sparse regime (rounds go on)."""
+    cases = ((hybrid, 6, {**QUEST}), (flash, 120, {}))
+    for model, n_prompt, kv in cases:
+        prompt = np.random.default_rng(n_prompt).integers(3, 200, n_prompt).tolist()
+        plain, _ = run(model, prompt, 32, stop_token_ids=[], draft="off", **kv)
+        mtp_oracle(prompt, plain)
+        spec, stats = run(model, prompt, 32, stop_token_ids=[], draft="mtp", **kv)
+        assert spec == plain and stats.accepted > 0
+        assert (stats.gate_closed_at is not None) == bool(kv)
+
+
 def test_quest_auto_mode_and_dense_through():
     from qwen38_backend.kv.paged import PagedKV
 
@@ -397,8 +410,8 @@ def test_throttle_pauses_losing_drafts_and_doubles():
     t.record(30, 3.0)  # winning rounds never pause
     for i in range(speculative.WINDOW - 1):
         t.record(31 + i, -0.3)
-    assert t.pauses == 1  # 3.0 - 7 * 0.3 > 0
-    t.record(40, -0.3)  # the winning round leaves the window: 8 losing rounds
+    assert t.pauses == 1  # the winning round outweighs the window's losing ones
+    t.record(40, -0.3)  # the winning round leaves the window: all losing rounds
     assert t.pauses == 2 and t.resume_at == 40 + 2 * speculative.FIRST_PAUSE
 
 
@@ -409,7 +422,7 @@ def test_always_wrong_drafts_stop_being_drafted(dense, monkeypatch):
     assert 1 not in plain
     spec, stats = run(dense, prompt, 120, stop_token_ids=[], **NGRAM)
     assert spec == plain and stats.accepted == 0 and stats.throttle_pauses >= 2
-    # rounds: 8 before each pause; pauses of 16, 32, 64 tokens leave few rounds in 120
+    # rounds: WINDOW before each pause; pauses of 16, 32, 64 tokens leave few in 120
     assert stats.drafted <= 4 * speculative.WINDOW + 4
 
 
