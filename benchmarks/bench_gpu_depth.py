@@ -36,6 +36,46 @@ def attention_layers(state) -> list:
     return [layer for layer in state.layers if hasattr(layer, "budget_pages")]
 
 
+def spill_ios(state) -> list:
+    ios = {}
+    for layer in attention_layers(state):
+        region = layer.table.spill
+        if region is not None:
+            ios[id(region.io)] = region.io
+    return list(ios.values())
+
+
+def read_totals(state) -> tuple[int, float]:
+    ios = spill_ios(state)
+    return sum(io.stats["read_bytes"] for io in ios), sum(io.read_seconds for io in ios)
+
+
+def spill_reads(state, before: tuple[int, float]) -> dict:
+    """What decode read from the spill file (bytes, seconds, GB/s; `before`: the totals
+    before decode), and a plain sequential read of the same file in the same run: with its
+    page cache dropped first (cold) and again right after (warm)."""
+    import os
+
+    ios = spill_ios(state)
+    if not ios:
+        return {}
+    total_bytes, total_seconds = read_totals(state)
+    read_bytes, read_seconds = total_bytes - before[0], total_seconds - before[1]
+    out = {"decode_read_bytes": read_bytes, "decode_read_seconds": read_seconds}
+    out["decode_read_gb_s"] = read_bytes / read_seconds / 1e9 if read_seconds else None
+    for io in ios:
+        size = os.fstat(io.fd).st_size
+        for label in ("cold", "warm"):
+            if label == "cold":
+                os.posix_fadvise(io.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t, done = time.perf_counter(), 0
+            while done < size:
+                done += len(os.pread(io.fd, min(64 << 20, size - done), done))
+            out[f"sequential_{label}_gb_s"] = size / (time.perf_counter() - t) / 1e9
+        out["spill_file_bytes"] = size
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
@@ -91,8 +131,10 @@ def main() -> None:
         peak = mx.get_peak_memory()
         first = int(mx.argmax(logits).item())
         state.save_point()  # the Gated DeltaNet state to rewind the Quest tokens to
+        before = read_totals(state)
         quest = decode(model, state, first, args.decode)
         quest_kv = collect_kv_stats(state)
+        spill = spill_reads(state, before)
         state.truncate(length)
         for layer in attention_layers(state):
             layer.budget_pages = 1 << 30  # covers everything: dense attention through pages
@@ -107,6 +149,7 @@ def main() -> None:
             "decode_quest_tok_s": quest,
             "decode_dense_tok_s": dense,
             "quest_kv_stats": {k: v for k, v in quest_kv.items() if "spill" in k or "fetch" in k},
+            "spill_reads": spill,
         }
         dense_bytes = weights_bytes + kv_bytes
         row["dense_fraction_of_bound"] = dense * dense_bytes / (args.bound_gbps * 1e9)
