@@ -29,15 +29,21 @@ if TYPE_CHECKING:
 
 MAX_NGRAM = 3
 LOOKBACK = 8192  # tokens searched for an earlier occurrence of the suffix
+FLUSH_ROWS = 64  # queued (features, token) pairs fed to the MTP head at once
 
 
 def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest
-    suffix (n = max_n..1) of `tokens`; [] when no suffix occurred before. A match of one
-    token only proposes one token (common tokens recur everywhere, and a rejected draft
-    token costs a verify row)."""
+    suffix (n = max_n..1) of `tokens`; [] when no suffix occurred before."""
+    return ngram_match(tokens, k, max_n)[0]
+
+
+def ngram_match(tokens: list[int], k: int, max_n: int = MAX_NGRAM) -> tuple[list[int], int]:
+    """(draft, n): ngram_draft's tokens and the length n of the suffix that matched (0: none).
+    A match of one token only proposes one token (common tokens recur everywhere, and a
+    rejected draft token costs a verify row); speculative.py throttles each n apart."""
     if k <= 0 or len(tokens) < 2:
-        return []
+        return [], 0
     start = max(len(tokens) - LOOKBACK, 0)
     arr = np.asarray(tokens[start:], dtype=np.int64)
     size = len(arr)
@@ -49,8 +55,8 @@ def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM) -> list[int]:
             if np.array_equal(arr[j : j + n], suffix):
                 follow = arr[j + n : j + n + (k if n > 1 else 1)]
                 if len(follow):
-                    return [int(t) for t in follow]
-    return []
+                    return [int(t) for t in follow], n
+    return [], 0
 
 
 @dataclass
@@ -128,12 +134,16 @@ class MTPTrack:
         self.last = features[len(fed) - 1 : len(fed)]
         self.seen += len(fed)
 
-    def step(self, features: mx.array, token: int) -> None:
-        """A plain step fed `token` at position seen and produced `features` [1, ...]."""
+    def step(self, net: Any, features: mx.array, token: int) -> None:
+        """A plain step fed `token` at position seen and produced `features` [1, ...]. The
+        queue is fed to the head every FLUSH_ROWS steps, so a long run of plain steps (drafting
+        paused) does not keep every step's features alive."""
         if self.last is not None:
             self.queue.append((self.last, [token]))
         self.last = features[-1:]
         self.seen += 1
+        if len(self.queue) >= FLUSH_ROWS:
+            self.flush(net)
 
 
 _TRACKS: weakref.WeakKeyDictionary[SequenceState, MTPTrack] = weakref.WeakKeyDictionary()

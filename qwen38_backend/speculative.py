@@ -26,7 +26,9 @@ OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 
 steps for T >= 2). Each round's gain is its tokens minus its cost in steps (plus the re-feed
 after a rejection on recurrent models and 0.1 step per MTP draft token); when the last 4
 rounds together gained nothing, drafting pauses for 16 tokens, then 32, 64, ... so a stream
-where drafts keep failing ends up decoding plainly at a bounded loss.
+where drafts keep failing ends up decoding plainly at a bounded loss. n-gram drafts are
+throttled apart by match length: in prose one-token matches keep failing while a copied span
+(3-token matches) keeps paying off.
 """
 
 from __future__ import annotations
@@ -216,7 +218,7 @@ def decode(
     if track is not None:
         track.sync(state.offset)
     history: list[int] = []
-    throttle = Throttle()
+    throttles: dict[int, Throttle] = {}  # by n-gram match length (MTP: 0)
     n = 0
     gate = True  # closes for good: a store that selects at some length selects beyond it
     # `pending`: tokens decided but not yet yielded; all but the last are already in `state`
@@ -233,28 +235,33 @@ def decode(
             yield token
             stats.finish_reason = stop_reason(token, n, params.max_tokens, stop_ids, cancel)
             if stats.finish_reason is not None:
-                stats.throttle_pauses = throttle.pauses
+                stats.throttle_pauses = sum(t.pauses for t in throttles.values())
                 return
         last = pending[-1]
         k = min(limit, params.max_tokens - n - 1)  # never decide more than max_tokens allows
         draft: list[int] = []
-        keep = 0
-        if k > 0 and throttle.allows(n) and gate:
+        keep = kind = 0
+        if k > 0 and gate:
             gate = gate_open(state, state.offset + k + 2)  # k+1 rows, one of margin
-            stats.gate_closed_at = None if gate else state.offset
-        if k > 0 and throttle.allows(n) and gate:
-            if track is None:
-                draft = drafts.ngram_draft(state.tokens + [last], k)
-            elif track.last is not None:
-                draft, keep = track.draft(model.net, last, k)
-        pending = _round(model, state, last, draft, sampler, history, stats, track, keep)
+            if not gate:
+                stats.gate_closed_at = state.offset
+                track = None  # no more drafts: stop feeding the head (sync() catches up)
+        if k > 0 and gate:
+            if options.mode == "ngram":
+                draft, kind = drafts.ngram_match(state.tokens + [last], k)
+                if not throttles.setdefault(kind, Throttle()).allows(n):
+                    draft = []
+            elif track is not None and track.last is not None:
+                if throttles.setdefault(0, Throttle()).allows(n):
+                    draft, keep = track.draft(model.net, last, k)
+        pending = _round(model, state, last, draft, sampler, history, stats, track, keep, stop_ids)
         if draft:
             gain = len(pending) - verify_cost(len(draft) + 1)
             if track is not None:
                 gain -= MTP_STEP_COST * len(draft)
             if len(pending) <= len(draft) and not state.can_truncate:
                 gain -= verify_cost(len(pending))  # the re-feed
-            throttle.record(n, gain)
+            throttles[kind].record(n, gain)
             limit = options.tokens if len(pending) > 1 else 1
 
 
@@ -268,6 +275,7 @@ def _round(
     stats,
     track: drafts.MTPTrack | None,
     keep: int,
+    stop_ids: set[int],
 ) -> list[int]:
     """Feed `last` (plus a verified draft); return the newly decided tokens: the accepted
     draft (already in state) and the next token (not yet fed)."""
@@ -278,7 +286,7 @@ def _round(
         else:
             feats = model.forward_features([last], state)
             out = model.net.logits_from_features(feats[-1:])
-            track.step(feats, last)
+            track.step(model.net, feats, last)
         return [int(sampler(out[-1], history).item())]
     stats.drafted += len(draft)
     base = state.offset
@@ -294,7 +302,9 @@ def _round(
     for i in range(len(draft) + 1):
         token = int(sampler(logits[i], history + decided).item())
         decided.append(token)
-        if i == len(draft) or token != draft[i]:
+        # a stop token ends the round unfed, so the state never runs past the answer's end
+        # (a follow-up turn then reuses it whole, recurrent layers included)
+        if i == len(draft) or token != draft[i] or token in stop_ids:
             break
     accepted = len(decided) - 1
     stats.accepted += accepted

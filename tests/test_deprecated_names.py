@@ -1,6 +1,7 @@
 """Names a user could have typed before the one-word-per-concept renames still work, with a
 note naming the new one: CheckpointError, CheckpointWarning, Model.checkpoint, the env var
-QWEN38_CHECKPOINT_MAX_BYTES and the settings key checkpoint_max_bytes."""
+QWEN38_CHECKPOINT_MAX_BYTES, the settings key checkpoint_max_bytes and the options
+speculative / speculative_tokens (now draft / draft_tokens)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,16 @@ def test_old_cap_env_var_and_settings_key(tmp_path, monkeypatch, capsys):
     assert _home.prefix_store_cap() == 7
     settings.write_text(json.dumps({"checkpoint_max_bytes": 7, "prefix_store_max_bytes": 9}))
     assert _home.prefix_store_cap() == 9
+
+
+def test_speculative_options_are_draft_options(tmp_path):
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path)))
+    session = model.session(cache=False)
+    with pytest.warns(DeprecationWarning, match="use 'draft'"):
+        req = session.request("hi", speculative="ngram", speculative_tokens=3)
+    assert (req.draft.mode, req.draft.tokens) == ("ngram", 3)
+    with pytest.warns(DeprecationWarning, match="use 'draft'"):
+        assert session.request("hi", speculative=False).draft is None  # the old off switch

@@ -47,6 +47,11 @@ def run(model, prompt, n, **options):
     return list(stream), stream.stats
 
 
+def use_drafts(monkeypatch, draft):
+    """n-gram rounds draft `draft(tokens, k)` instead (reported as 3-token matches)."""
+    monkeypatch.setattr(drafts, "ngram_match", lambda tokens, k, max_n=3: (draft(tokens, k), 3))
+
+
 def repetitive(seed, period=5, repeats=5):
     rng = np.random.default_rng(seed)
     return rng.integers(3, 200, size=period).tolist() * repeats
@@ -61,6 +66,9 @@ def test_ngram_draft_takes_the_longest_most_recent_match():
     assert ngram([5, 6, 5], 4) == [6]  # a one-token match proposes one token
     assert ngram([5, 6, 7, 5, 6], 4) == [7, 5, 6]
     assert ngram([5, 6, 5], 0) == []
+    assert drafts.ngram_match([1, 2, 3, 4, 8, 3, 4, 6, 2, 3, 4], 3) == ([8, 3, 4], 3)
+    assert drafts.ngram_match([5, 6, 5], 4) == ([6], 1)
+    assert drafts.ngram_match([5, 6, 7], 4) == ([], 0)
 
 
 def test_options_are_checked_and_resolved_against_the_model(dense, hybrid):
@@ -130,7 +138,7 @@ def oracle(monkeypatch):
     def install(prompt, plain, seed=0, bad=0.35):
         rng = np.random.default_rng(seed)
 
-        def draft(tokens, k, max_n=3):
+        def draft(tokens, k):
             done = len(tokens) - len(prompt)  # generated tokens already in `tokens`
             out = list(plain[done : done + k])
             for i in range(len(out)):
@@ -138,7 +146,7 @@ def oracle(monkeypatch):
                     out[i] = (out[i] + 1 + int(rng.integers(50))) % 200
             return out
 
-        monkeypatch.setattr(drafts, "ngram_draft", draft)
+        use_drafts(monkeypatch, draft)
 
     return install
 
@@ -173,14 +181,19 @@ def test_eos_inside_an_accepted_draft_ends_the_stream(request, monkeypatch, whic
     plain, pstats = run(model, prompt, 24, stop_token_ids=[stop], draft="off")
     assert plain[-1] == stop and stop not in plain[:-1] and pstats.finish_reason == "stop"
 
-    def draft(tokens, k, max_n=3):  # always the true continuation, running past the stop
+    def draft(tokens, k):  # always the true continuation, running past the stop
         done = len(tokens) - len(prompt)
         return list(full[done : done + 4])
 
-    monkeypatch.setattr(drafts, "ngram_draft", draft)
-    spec, stats = run(model, prompt, 24, stop_token_ids=[stop], **NGRAM)
+    use_drafts(monkeypatch, draft)
+    state = model.new_state()
+    params = SamplingParams(max_tokens=24, stop_token_ids=[stop])
+    stream = model.run(prompt, state, params, DraftOptions("ngram", 4))
+    spec, stats = list(stream), stream.stats
     assert spec == plain and stats.finish_reason == "stop"
     assert stats.accepted >= 4
+    # the drafts past the stop were not kept: a follow-up turn can reuse the whole state
+    assert state.tokens == prompt + plain[:-1]
 
 
 def test_hybrid_drops_only_its_own_save_points(hybrid, oracle):
@@ -363,7 +376,7 @@ def test_sampling_with_drafts_matches_the_model_distribution(dense, monkeypatch)
     firsts = np.nonzero(p1)[0]
     cond = {int(t): exact_probs(dense, prompt + [int(t)], params) for t in firsts}
     best = {t: int(np.argmax(p)) for t, p in cond.items()}
-    monkeypatch.setattr(drafts, "ngram_draft", lambda tokens, k, max_n=3: [best[tokens[-1]]])
+    use_drafts(monkeypatch, lambda tokens, k: [best[tokens[-1]]])
     vocab = p1.shape[0]
     joint = np.zeros((vocab, vocab))
     for t, p in cond.items():
@@ -416,7 +429,7 @@ def test_throttle_pauses_losing_drafts_and_doubles():
 
 
 def test_always_wrong_drafts_stop_being_drafted(dense, monkeypatch):
-    monkeypatch.setattr(drafts, "ngram_draft", lambda tokens, k, max_n=3: [1] * k)
+    use_drafts(monkeypatch, lambda tokens, k: [1] * k)
     prompt = [3, 4, 5]
     plain, _ = run(dense, prompt, 120, stop_token_ids=[], draft="off")
     assert 1 not in plain
