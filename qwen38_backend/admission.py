@@ -237,7 +237,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     config_or_model: an HF config dict, an engine Model, or a built network.
     Options: dtype (state/activation dtype), weights_dtype, kv_dtype, prefill_chunk (512),
     prompt_tokens (how many of the context are prefilled; default all), kv_paged,
-    kv_page_tokens (32), kv_pool_tokens (resident KV rows; the rest spills to disk),
+    kv_page_tokens (16), kv_pool_tokens (resident KV rows; the rest spills to disk),
     mtp (default: on when the config has an MTP head), fused_attention (default: on GPU),
     ranks (the model split over that many mx.distributed ranks: the plan is one rank's, with
     its share of the weights, KV heads and Gated DeltaNet heads; default: a loaded Model's
@@ -346,8 +346,8 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         total_pages = _ceil(context, P)
         if max_pages is not None and total_pages > max_pages:
             spill_pages = context // P  # every sealed page may be written once
-        # A sparse step needs its selection resident at once: forced pages plus each KV
-        # head's own top-k (heads choose differently).
+        # A sparse step needs its selection resident at once: forced pages plus the top-k,
+        # one set shared by the KV heads (PagedKV(shared=False) would need each head's own).
         budget, sink_p = _ceil(choice.budget, P), _ceil(choice.sinks, P)
         recent_p = _ceil(choice.recent, P)
         sparse_from = 4 * budget * P if choice.mode == "auto" else 0
@@ -361,7 +361,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
             _, n_forced = forced_pages(total_pages, sink_p, recent_p)
             n_sel = min(total_pages, max(budget, n_forced))
             if n_sel < total_pages:
-                plan.selection_pages = min(total_pages, n_forced + hkv * (n_sel - n_forced))
+                plan.selection_pages = n_sel
     else:
         rows, old_rows = _contiguous_rows(schedule)
         how = f"contiguous, {rows} rows (steps of {CONTIGUOUS_STEP})"
@@ -612,8 +612,8 @@ def admit(
         raise AdmissionError(
             f"a KV pool of {plan.pool_pages} pages ({plan.pool_pages * P:,} tokens) per "
             f"layer is smaller than what a sparse decode step may need resident at once: "
-            f"{plan.selection_pages} pages (each KV head selects its own, plus the sinks and "
-            f"the recent window); use kv_pool_tokens >= {plan.selection_pages * P:,} or a "
+            f"{plan.selection_pages} pages (the selected pages, the sinks and the recent "
+            f"window); use kv_pool_tokens >= {plan.selection_pages * P:,} or a "
             "smaller kv_topk"
         )
     if plan.disk:

@@ -192,12 +192,14 @@ def test_disk_and_selection_refusals(dense):
     admit(plan, available=10**12, disk_available=plan.disk)
     text = format_plan(plan, available=10**12, disk_available=plan.disk - 1)
     assert "total disk" in text and "short by 1 bytes" in text
-    # 8 pages per step: 4 forced (a sink page, two recent, the open one) shared by the 2 KV
-    # heads, and 4 of each head's own: 4 + 2 x 4 = 12 pages resident at once.
-    tight = memory_plan(dense, 5000, kv_pool_tokens=10 * 32, kv_topk=8 * 32, kv_page_tokens=32)
-    assert tight.selection_pages == 12
-    with pytest.raises(AdmissionError, match="kv_pool_tokens >= 384"):
+    # 8 pages per step: 4 forced (a sink page, two recent, the open one) and 4 selected, one
+    # set shared by the KV heads: 8 pages resident at once.
+    tight = memory_plan(dense, 5000, kv_pool_tokens=7 * 32, kv_topk=8 * 32, kv_page_tokens=32)
+    assert tight.selection_pages == 8
+    with pytest.raises(AdmissionError, match="kv_pool_tokens >= 256"):
         admit(tight, available=10**12, disk_available=10**12)
+    fits = memory_plan(dense, 5000, kv_pool_tokens=8 * 32, kv_topk=8 * 32, kv_page_tokens=32)
+    admit(fits, available=10**12, disk_available=10**12)
 
 
 def test_session_refuses_a_full_disk_before_allocating(dense, monkeypatch, tmp_path):

@@ -55,6 +55,8 @@ def net_greedy(net, ids: list[int], factory, n: int = N_TOKENS, chunk: int = 24)
 
 FULL = functools.partial(PagedKV, page_tokens=P, budget=10**6)
 FULL_GATHER = functools.partial(PagedKV, page_tokens=P, budget=10**6, always_select=True)
+# Each KV head selecting its own pages (the selection before issue 18; still a variant).
+FULL_GATHER_PER_HEAD = functools.partial(FULL_GATHER, shared=False)
 
 
 @pytest.mark.parametrize("arch", DENSE_ARCHS)
@@ -66,6 +68,8 @@ def test_full_selection_equals_dense_on_dense_fixtures(arch):
         assert net_greedy(net, ids, FULL) == ref, f"dense route, prompt {length}"
         # The gather path (every page selected through the Quest machinery) too.
         assert net_greedy(net, ids, FULL_GATHER) == ref, f"gather route, prompt {length}"
+        per_head = net_greedy(net, ids, FULL_GATHER_PER_HEAD)
+        assert per_head == ref, f"per-head gather route, prompt {length}"
 
 
 def model_streams_equal(model, lengths=LENGTHS, n_tokens: int = N_TOKENS) -> None:
@@ -168,7 +172,9 @@ def test_sparse_decode_attends_over_each_heads_own_pages():
         ref = reference_attention(q, keys, values, pages, 38, 4, 0.3)
         np.testing.assert_allclose(np.array(out)[0, :, 0], ref, rtol=1e-5, atol=1e-5)
     for seed in range(6):
-        store, keys, values = filled_store(seed=seed, length=40, budget=16, sinks=4, recent=0)
+        store, keys, values = filled_store(
+            seed=seed, length=40, budget=16, sinks=4, recent=0, shared=False
+        )
         q = np.random.default_rng(seed).normal(size=(6, 8)).astype(np.float32) * 4
         out = store.attend(
             mx.array(q)[None, :, None],
@@ -184,6 +190,40 @@ def test_sparse_decode_attends_over_each_heads_own_pages():
         np.testing.assert_allclose(np.array(out)[0, :, 0], ref, rtol=1e-5, atol=1e-5)
         assert store.stats["sparse_steps"] == 1
     assert differs, "per-head selection never differed between heads: not exercised"
+
+
+def test_shared_selection_is_the_top_k_of_the_bound_summed_over_heads():
+    """shared=True: every KV head attends over the same pages, the best by the Quest bound
+    summed over all query heads (brute force below), ties to the lower page id."""
+    for seed in range(6):
+        store, keys, values = filled_store(seed=seed, length=40, budget=16, sinks=4, recent=0)
+        q = np.random.default_rng(seed).normal(size=(6, 8)).astype(np.float32) * 4
+        if seed % 2:  # two identical pages: equal scores, the lower id must win
+            keys[:, 8:12] = keys[:, 4:8]
+            store, *_ = filled_store(seed=seed, length=40, budget=16, sinks=4, recent=0)
+            store.restore(
+                {"keys": mx.array(keys), "values": mx.array(values), "page_tokens": mx.array(0)}
+            )
+        out = store.attend(
+            mx.array(q)[None, :, None],
+            mx.array(keys[:, -1:])[None],
+            mx.array(values[:, -1:])[None],
+            0.3,
+        )
+        keys = np.concatenate([keys, keys[:, -1:]], axis=1)
+        values = np.concatenate([values, values[:, -1:]], axis=1)
+        pages = np.array(store.select(mx.array(q), 4))
+        sealed = keys[:, :40].reshape(2, 10, 4, 8).astype(np.float64)
+        lo, hi = sealed.min(axis=2), sealed.max(axis=2)  # [2, 10, 8]
+        qg = q.reshape(2, 3, 8).astype(np.float64)
+        bound = np.maximum(qg[:, :, None] * lo[:, None], qg[:, :, None] * hi[:, None])
+        total = bound.sum(axis=(0, 1, 3))  # [10 pages], summed over every query head
+        # Forced: sink page 0 and the open page 10; two more by score, ties to lower id.
+        best = sorted(range(1, 10), key=lambda p: (-total[p], p))[:2]
+        want = sorted([0, 10, *best])
+        assert [list(p) for p in pages] == [want, want]
+        ref = reference_attention(q, keys, values, pages, 41, 4, 0.3)
+        np.testing.assert_allclose(np.array(out)[0, :, 0], ref, rtol=1e-5, atol=1e-5)
 
 
 def assert_same_store(a: PagedKV, b: PagedKV) -> None:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwen38_backend.kv.quest import (
+    GROUP_REDUCES,
+    SUMMARIES,
     forced_pages,
     order_keys,
     page_min_max,
+    page_scores,
+    page_summary,
     quest_scores,
     select_pages,
 )
@@ -92,3 +97,86 @@ def test_order_keys_follow_score_then_lower_id(values):
             a, b = np.float32(values[i]), np.float32(values[j])
             if a > b or (a == b and i < j):
                 assert keys[i] > keys[j]
+
+
+def literal_head_scores(q, keys, group, summary, width):
+    """Per query head scores [Hkv, group, n_pages] in float64, written from the definitions."""
+    hkv, n_pages, _, d = keys.shape
+    k = keys.astype(np.float64)
+    qg = q.reshape(hkv, group, d).astype(np.float64)[:, :, None, :]
+    if summary == "minmax":
+        lo, hi = k.min(axis=2)[:, None], k.max(axis=2)[:, None]
+        return np.maximum(qg * lo, qg * hi).sum(-1)
+    mean, std = k.mean(axis=2)[:, None], k.std(axis=2)[:, None]
+    return (qg * mean).sum(-1) + width * (np.abs(qg) * std).sum(-1)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    pages_and_query(),
+    st.sampled_from(SUMMARIES),
+    st.sampled_from(GROUP_REDUCES),
+    st.floats(0.5, 3.0),
+)
+def test_variant_scores_match_their_definition(case, summary, group, width):
+    q, keys, g = case
+    a, b = page_summary(mx.array(keys), summary)
+    got = np.array(page_scores(mx.array(q), a, b, summary, group, scale=0.4, width=width))
+    per_head = literal_head_scores(q, keys, g, summary, width)
+    if group == "sum":
+        want = per_head.sum(axis=1)
+    elif group == "max":
+        want = per_head.max(axis=1)
+    else:
+        e = np.exp(0.4 * (per_head - per_head.max(axis=-1, keepdims=True)))
+        want = (e / e.sum(axis=-1, keepdims=True)).sum(axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * (1 + np.abs(want).max()))
+
+
+@settings(max_examples=120, deadline=None)
+@given(pages_and_query())
+def test_group_max_bound_dominates_every_heads_dot_products(case):
+    """'max' claims an upper bound of each query head's q . k (not only of their sum)."""
+    q, keys, group = case
+    hkv, n_pages, _, d = keys.shape
+    a, b = page_summary(mx.array(keys), "minmax")
+    scores = np.array(page_scores(mx.array(q), a, b, "minmax", "max")).astype(np.float64)
+    dots = np.einsum("hgd,hnpd->hgnp", q.reshape(hkv, group, d), keys).astype(np.float64)
+    tol = 1e-4 * (1 + np.abs(scores))
+    assert (scores >= dots.max(axis=(1, 3)) - tol).all()
+    # ... and it is the tightest such bound per dimension box: a corner key reaches it.
+    literal = literal_head_scores(q, keys, group, "minmax", 1.0).max(axis=1)
+    np.testing.assert_allclose(scores, literal, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(SUMMARIES),
+    st.sampled_from(GROUP_REDUCES),
+    st.integers(2, 12),
+    st.integers(1, 6),
+    st.integers(0, 2**31 - 1),
+)
+def test_variants_tie_exactly_on_identical_pages(summary, group, n_pages, n_select, seed):
+    """Pages with the same keys score the same bits in every variant; the lower id wins."""
+    rng = np.random.default_rng(seed)
+    page = rng.normal(size=(2, 1, 4, 8)).astype(np.float32)
+    keys = np.repeat(page, n_pages, axis=1)
+    q = rng.normal(size=(4, 8)).astype(np.float32)
+    a, b = page_summary(mx.array(keys), summary)
+    scores = np.array(page_scores(mx.array(q), a, b, summary, group, scale=0.3))
+    assert (scores == scores[:, :1]).all()
+    n_select = min(n_select, n_pages)
+    got = np.array(select_pages(mx.array(scores), None, n_select))
+    np.testing.assert_array_equal(got, np.broadcast_to(np.arange(n_select), got.shape))
+
+
+def test_page_summary_meanstd_and_bad_variants():
+    rows = np.random.default_rng(3).normal(size=(2, 3, 5, 4)).astype(np.float32)
+    mean, std = page_summary(mx.array(rows), "meanstd")
+    np.testing.assert_allclose(np.array(mean), rows.mean(axis=2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(std), rows.std(axis=2), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="page summary 'median'"):
+        page_summary(mx.array(rows), "median")
+    with pytest.raises(ValueError, match="group reduce 'mean'"):
+        page_scores(mx.array(rows[0, 0]), mean, std, "minmax", "mean")

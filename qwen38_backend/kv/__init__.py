@@ -10,8 +10,9 @@ Options (wherever sampling options are accepted; validated and decided by policy
   other kv_ option is given.
 - kv_topk: token budget of the pages a decode step reads (sinks and recent window included),
   rounded up to whole pages; a budget >= the context means dense.
-- kv_page_tokens: tokens per page. kv_sinks: leading tokens always selected. kv_recent: tokens
-  before the open page always selected (both rounded up to whole pages).
+- kv_page_tokens: tokens per page (16). kv_sinks: leading tokens always selected. kv_recent:
+  tokens before the open page always selected (both rounded up to whole pages). The top-k
+  pages are chosen once per step for all KV heads (quest.shared_scores).
 - kv_pool_tokens: resident rows per attention layer (the page pool's fixed capacity), or
   "auto" (default): sized from the memory available when the sequence first writes.
 - kv_spill_dir: where a sequence whose pool is full spills sealed pages (default: kv-spill

@@ -16,7 +16,8 @@ resident) and the running min/max of its open page.
   blocks from the spill file.
 - Decode (T == 1) either attends densely (the selection would cover every page, or `auto` is
   below its threshold; with spilled pages through the blocked walk) or scores sealed pages
-  with the Quest bound, selects per KV head (sinks + recent window + top-k), makes the
+  with the Quest bound, selects (sinks + recent window + top-k; one page set shared by the
+  KV heads unless shared=False, then each head's own), makes the
   selection resident (pinned while misses are fetched), gathers the selected rows per head
   into [Hkv, n_sel * page_tokens, D] and runs mx.fast.scaled_dot_product_attention.
 - QSA layers (models/qsa.py) select with their own indexer: they set `quest = False` (no
@@ -39,7 +40,7 @@ import numpy as np
 from ..errors import AdmissionError, InvalidOptionError, SpillError
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .pool import PagePool, PoolFullError
-from .quest import forced_pages, page_min_max, quest_scores, select_pages
+from .quest import forced_pages, page_min_max, quest_scores, select_pages, shared_scores
 from .spill import SpillFile
 from .table import SPILLED, PageTable, from_host
 
@@ -60,7 +61,7 @@ class PagedKV:
 
     def __init__(
         self,
-        page_tokens: int = 32,
+        page_tokens: int = 16,
         budget: int = 2048,
         sinks: int = 32,
         recent: int = 64,
@@ -69,6 +70,7 @@ class PagedKV:
         always_select: bool = False,
         pool_pages: int | Callable[[int], int | None] | None = None,
         spill: SpillFile | None = None,
+        shared: bool = True,
     ):
         if mode not in ("on", "auto"):
             raise InvalidOptionError(f"PagedKV mode {mode!r}: must be 'on' or 'auto'")
@@ -84,6 +86,8 @@ class PagedKV:
         self.sink_pages = -(-sinks // P)
         self.recent_pages = -(-recent // P)  # sealed pages before the last (open) one
         self.mode = mode
+        # One selection for all KV heads (quest.shared_scores) or one per KV head.
+        self.shared = shared
         # `auto` decodes densely until selecting would skip most of the context.
         self.sparse_from = 4 * self.budget_pages * P if mode == "auto" else 0
         self.always_select = always_select  # tests: run the gather path even if it covers all
@@ -444,6 +448,8 @@ class PagedKV:
         forced, _ = forced_pages(n_pages, self.sink_pages, self.recent_pages)
         # The last page is always forced, so its (possibly unsealed) metadata is never used.
         scores = quest_scores(q, self.kmin[:, :n_pages], self.kmax[:, :n_pages])
+        if self.shared:
+            scores = shared_scores(scores)
         return select_pages(scores, forced, n_sel)
 
     def _resident_selection(self, pages: mx.array) -> list[int]:

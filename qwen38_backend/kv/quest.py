@@ -5,6 +5,18 @@ the Quest bound of a page is sum_d max(q_d * min_d, q_d * max_d), an upper bound
 every key k in the page. Since max(q*lo, q*hi) = relu(q) * hi + min(q, 0) * lo, the bound is two
 matmuls, and summing it over the query heads of a KV group is the same two matmuls applied to
 the group's summed relu(q) and min(q, 0).
+
+Variants studied by benchmarks/quest_recall.py, all reading the same two [D] vectors per page
+and KV head (`page_summary`, `page_scores`):
+- summary "minmax" (the bound above) or "meanstd": the page's per-dimension mean and standard
+  deviation, scored q . mean + width * |q| . std (an estimate, not a bound);
+- group "sum" (the bound summed over the group's query heads), "max" (the largest per-head
+  bound: still an upper bound of every head's q . k) or "softmax" (each head's scores as a
+  softmax over pages, summed: every head's share of attention counts the same);
+- per-KV-head selection, or one selection shared by every KV head (`shared_scores`: the
+  scores summed over KV heads, so the sum stays an upper bound of the summed q . k).
+On the demo model (benchmarks/results/cpu/quest_recall_demo.json) smaller pages and a shared
+selection recall the most attention mass at the same token budget; the others do not help.
 """
 
 from __future__ import annotations
@@ -34,6 +46,67 @@ def quest_scores(q: mx.array, kmin: mx.array, kmax: mx.array) -> mx.array:
     hi = qpos @ kmax.astype(mx.float32).swapaxes(1, 2)
     lo = qneg @ kmin.astype(mx.float32).swapaxes(1, 2)
     return (hi + lo)[:, 0, :]
+
+
+SUMMARIES = ("minmax", "meanstd")
+GROUP_REDUCES = ("sum", "max", "softmax")
+
+
+def check_variant(summary: str, group: str) -> None:
+    if summary not in SUMMARIES:
+        raise ValueError(f"page summary {summary!r}: must be one of {', '.join(SUMMARIES)}")
+    if group not in GROUP_REDUCES:
+        raise ValueError(f"group reduce {group!r}: must be one of {', '.join(GROUP_REDUCES)}")
+
+
+def page_summary(rows: mx.array, summary: str = "minmax") -> tuple[mx.array, mx.array]:
+    """rows [Hkv, n_pages, page_tokens, D] -> the two per-page vectors of `summary` (fp32)."""
+    check_variant(summary, "sum")
+    if summary == "minmax":
+        return page_min_max(rows)
+    rows = rows.astype(mx.float32)
+    mean = rows.mean(axis=2)
+    return mean, mx.sqrt(mx.maximum((rows * rows).mean(axis=2) - mean * mean, 0.0))
+
+
+def head_scores(q: mx.array, a: mx.array, b: mx.array, summary: str, width: float) -> mx.array:
+    """Per query head scores [Hkv, group, n_pages]: q [Hq, D]; a, b [Hkv, n_pages, D]."""
+    hkv, _, d = a.shape
+    qg = q.astype(mx.float32).reshape(hkv, -1, d)
+    if summary == "minmax":
+        return mx.maximum(qg, 0.0) @ b.swapaxes(1, 2) + mx.minimum(qg, 0.0) @ a.swapaxes(1, 2)
+    return qg @ a.swapaxes(1, 2) + width * (mx.abs(qg) @ b.swapaxes(1, 2))
+
+
+def page_scores(
+    q: mx.array,
+    a: mx.array,
+    b: mx.array,
+    summary: str = "minmax",
+    group: str = "sum",
+    scale: float = 1.0,
+    width: float = 1.0,
+) -> mx.array:
+    """Score per KV head and page [Hkv, n_pages] for query q [Hq, D] (see the module doc).
+
+    a, b: `page_summary` of the pages. `scale` (the attention scale) only matters to
+    "softmax"; `width` only to "meanstd".
+    """
+    check_variant(summary, group)
+    if summary == "minmax" and group == "sum":
+        return quest_scores(q, a, b)
+    per_head = head_scores(q, a.astype(mx.float32), b.astype(mx.float32), summary, width)
+    if group == "sum":
+        return per_head.sum(axis=1)
+    if group == "max":
+        return per_head.max(axis=1)
+    return mx.softmax(per_head * scale, axis=-1).sum(axis=1)
+
+
+def shared_scores(scores: mx.array) -> mx.array:
+    """[Hkv, n_pages] -> every KV head gets the scores summed over KV heads (so all select
+    the same pages: one page set per step, the fewest pages to keep resident or fetch)."""
+    return mx.broadcast_to(scores.sum(axis=0, keepdims=True), scores.shape)
 
 
 def order_keys(scores: mx.array) -> mx.array:

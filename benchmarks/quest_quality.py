@@ -1,0 +1,161 @@
+"""Quest quality: teacher-forced sparse decode against dense, at budget-to-context ratios.
+
+    python benchmarks/quest_quality.py --model qwen38-demo --budgets 2048,1024,512,256 \
+        --variants old,new --out benchmarks/results/cpu/quest_quality_demo.json
+
+Each text (quest_reference.py: real English from installed packages) is prefilled densely
+once, and cached with a dense teacher-forced decode of the next `--steps` tokens and a dense
+greedy run of `--greedy` tokens. Each variant and budget then restores the prefix's K/V into
+a paged store with that selection and decodes the same way: teacher-forced (the true next
+token is fed, whatever the sparse step predicted) and greedily. Reported per text, variant
+and budget: top-1 agreement with dense, mean and max |log p_sparse - log p_dense| of the
+dense top-1 token, the identical-prefix length of the greedy runs, and the KV bytes read per
+token (K and V rows of the selected pages, all layers) next to the metadata bytes scored.
+With a ~8K context, budgets 2048 / 1024 / 512 / 256 are ratios ~4x / 8x / 16x / 32x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from bench_kv import environment, write_json
+from quest_reference import TEXTS, log_softmax, reference, text_path
+
+import qwen38_backend
+from qwen38_backend.kv import PagedKV, collect_kv_stats
+from qwen38_backend.state import StateSnapshot
+
+# The selection of each variant: PagedKV keyword arguments besides the budget.
+VARIANTS = {
+    # Before issue 18: 32-token pages, each KV head selecting its own pages.
+    "old": {"page_tokens": 32, "sinks": 32, "recent": 64, "shared": False},
+    # The default since: 16-token pages, one selection shared by the KV heads.
+    "new": {"page_tokens": 16, "sinks": 32, "recent": 64, "shared": True},
+    "page16": {"page_tokens": 16, "sinks": 32, "recent": 64, "shared": False},
+}
+
+
+def paged_state(net, ref: dict, prefix: int, budget: int, options: dict):
+    """A paged state holding the prefix's K/V (metadata recomputed from the rows)."""
+    state = net.make_state(kv_factory=functools.partial(PagedKV, budget=budget, **options))
+    layers = [
+        # page_tokens 0 never matches: the store recomputes its page metadata from the rows.
+        {"keys": mx.array(k), "values": mx.array(v), "page_tokens": mx.array(0)}
+        for k, v in zip(ref["prefix_keys"], ref["prefix_values"], strict=True)
+    ]
+    ids = ref["ids"].tolist()
+    state.restore(StateSnapshot(tokens=ids[:prefix], layers=layers, extras={}))
+    return state
+
+
+def run_variant(net, ref: dict, budget: int, options: dict) -> dict:
+    ids = ref["ids"].tolist()
+    steps = ref["logprobs"].shape[0]
+    prefix = len(ids) - steps - 1
+    state = paged_state(net, ref, prefix, budget, options)
+    agree, diffs = [], []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        token = ids[prefix + i]
+        lp = log_softmax(net(mx.array([token], dtype=mx.int32), state, last_only=True)[-1])
+        state.advance([token])
+        lp = np.array(lp)
+        dense = ref["logprobs"][i]
+        top = int(dense.argmax())
+        agree.append(int(lp.argmax()) == top)
+        diffs.append(abs(float(lp[top]) - float(dense[top])))
+    forced_s = time.perf_counter() - t0
+    stats = collect_kv_stats(state)
+    # Greedy from the prefix: the first token comes from the (dense) prefill's logits.
+    state = paged_state(net, ref, prefix, budget, options)
+    logits, same = mx.array(ref["last_logits"]), 0
+    for want in ref["greedy"].tolist():
+        token = int(mx.argmax(logits).item())
+        if token != want:
+            break
+        same += 1
+        logits = net(mx.array([token], dtype=mx.int32), state, last_only=True)[-1]
+        state.advance([token])
+    return {
+        "top1_agreement": float(np.mean(agree)),
+        "mean_abs_logprob_diff": float(np.mean(diffs)),
+        "max_abs_logprob_diff": float(np.max(diffs)),
+        "greedy_identical_prefix": same,
+        "greedy_tokens": len(ref["greedy"]),
+        "sparse_steps": stats.get("sparse_steps", 0),
+        "kv_read_bytes_per_token": stats.get("kv_read_bytes_per_token", 0),
+        "meta_read_bytes_per_token": stats.get("meta_read_bytes", 0) / max(steps, 1),
+        "teacher_forced_seconds": round(forced_s, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen38-demo")
+    ap.add_argument("--texts", default=",".join(TEXTS))
+    ap.add_argument("--prefix", type=int, default=7936, help="prompt tokens before decoding")
+    ap.add_argument("--steps", type=int, default=128, help="teacher-forced decode steps")
+    ap.add_argument("--greedy", type=int, default=32, help="greedy tokens compared")
+    ap.add_argument("--budgets", default="2048,1024,512,256")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--full-check", action="store_true", help="also a budget covering all")
+    ap.add_argument("--cache", default="/tmp/quest_cache", help="dense references")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}: choose from {sorted(VARIANTS)}")
+    model = qwen38_backend.load(args.model)
+    net, tok = model.net, model.tokenizer
+    t_start = time.perf_counter()
+    results = {}
+    for text in args.texts.split(","):
+        path = reference(net, tok, text, args.prefix, args.steps, args.greedy, Path(args.cache))
+        ref = dict(np.load(path))
+        context = args.prefix + args.steps
+        entry = {
+            "source": str(text_path(text)),
+            "tokens_sha256_16": path.stem.rsplit("_", 1)[-1],
+            "prefix_tokens": args.prefix,
+            "dense_prefill_seconds": float(ref["seconds"][0]),
+            "runs": {},
+        }
+        plan = [(n, b) for b in budgets for n in names]  # variants interleaved per budget
+        if args.full_check:
+            plan.append((names[0], 1 << 20))
+        for name, budget in plan:
+            res = run_variant(net, ref, budget, VARIANTS[name])
+            res["ratio"] = round(context / budget, 2)
+            entry["runs"].setdefault(name, {})[str(budget)] = res
+            print(
+                f"{text} {name} budget {budget} (x{res['ratio']}): top1 "
+                f"{res['top1_agreement']:.3f} mean|dlp| {res['mean_abs_logprob_diff']:.3f} "
+                f"max {res['max_abs_logprob_diff']:.2f} greedy {res['greedy_identical_prefix']}"
+                f"/{res['greedy_tokens']} ({res['teacher_forced_seconds']}s)",
+                flush=True,
+            )
+        results[text] = entry
+    write_json(
+        args.out,
+        {
+            "benchmark": "quest_quality",
+            "model": args.model,
+            "steps": args.steps,
+            "budgets": budgets,
+            "variants": {n: VARIANTS[n] for n in names},
+            "texts": results,
+            "seconds": round(time.perf_counter() - t_start, 1),
+            "environment": environment(),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
