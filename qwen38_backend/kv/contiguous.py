@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .blocked import BLOCK_TOKENS, attend_past, spans
+from .one_token import attend_one_token
 
 
 class ContiguousKV:
@@ -71,7 +72,7 @@ class ContiguousKV:
 
         if q.shape[2] == 1:
             keys, values = dense()
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+            return attend_one_token(q, keys, values, scale)
         return attend_past(q, past, blocks, k, v, scale, dense, self.block_tokens)
 
     def nbytes(self) -> int:

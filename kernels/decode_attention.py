@@ -1,0 +1,543 @@
+"""Split-KV (flash-decoding) attention of one query token over stored K/V, for CUDA.
+
+Why: on the H200, `mx.fast.scaled_dot_product_attention` with one query token reads the KV
+at ~0.4 TB/s (issue 15: 131K tokens cost ~21 ms more per token than 4K), far from the
+4.8 TB/s bound, and GQA makes it read each KV head once per query head.
+
+Two launches:
+- partial: one block per (split of the sequence, KV head). The block streams its rows in
+  tiles of TILE through a STAGES-deep cp.async pipeline in shared memory (16-byte copies;
+  views whose strides do not allow them are copied element by element), and serves all
+  G = Hq / Hkv query heads of its group from each tile, so K and V are read once per group.
+  Scores, the running max / sum and the unnormalised output are fp32.
+- combine: one block per query head rescales the splits' outputs by exp(m_s - max) and
+  divides by the rescaled sum (the log-sum-exp merge), writing the query's dtype.
+
+K/V may be strided views ([1, Hkv, L, D] slices of a larger buffer, the paged pool's
+head-major view): shapes and strides reach the kernel as arguments, so L varies without
+recompiling and nothing is copied first. `available()` probes the kernel once per
+(dtypes, head_dim, group) against mx.fast.scaled_dot_product_attention on random views; any
+error or disagreement disables it with a warning (the MLX op then runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+
+import mlx.core as mx
+
+THREADS = 256  # the partial kernel's block: 8 warps
+TILE = 32  # rows per pipeline stage (one per lane in the softmax step)
+STAGES = 3  # tiles in flight per block
+SMS = 132  # streaming multiprocessors of an H100 / H200 SXM (only the split count uses it)
+BLOCKS_PER_SM = 1  # bf16 D=256, G=6: 154 registers x 256 threads (ptxas) leave room for one
+MIN_SPLIT_ROWS = 64  # below this a split's partial output costs more than its rows
+HEAD_DIMS = (32, 64, 128, 256)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+MAX_Q_REGISTERS = 64  # fp32 query values per thread (G * D / lanes per row)
+
+_HEADER = """
+namespace qwen38_dattn {
+
+// 16 bytes of T -> floats
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+  static constexpr int N = 4;
+  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+  }
+};
+template <> struct Vec<__nv_bfloat16> {
+  static constexpr int N = 8;
+  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 t = __bfloat1622float2(h[i]);
+      f[2 * i] = t.x; f[2 * i + 1] = t.y;
+    }
+  }
+};
+template <> struct Vec<__half> {
+  static constexpr int N = 8;
+  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 t = __half22float2(h[i]);
+      f[2 * i] = t.x; f[2 * i + 1] = t.y;
+    }
+  }
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\\n" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+}  // namespace qwen38_dattn
+"""
+
+# Template constants from the call: T (K/V dtype), D (head dim), G (query heads per KV head).
+_PARTIAL = """
+    using namespace qwen38_dattn;
+    constexpr int THREADS = __THREADS__, TILE = __TILE__, STAGES = __STAGES__;
+    constexpr int WARPS = THREADS / 32;
+    constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
+    constexpr int NV = D / VEC;                    // vectors per row
+    constexpr int NVL = NV < 32 ? NV : 32;         // lanes sharing a row
+    constexpr int PER = NV / NVL;                  // vectors per lane
+    constexpr int RPB = THREADS / NVL;             // rows the block works on at once
+    constexpr int LOG_GP = G <= 1 ? 0 : G <= 2 ? 1 : G <= 4 ? 2 : G <= 8 ? 3 : G <= 16 ? 4 : 5;
+    constexpr int GP = 1 << LOG_GP;                // G padded to a power of two
+    constexpr int LOG_NVL = NVL == 32 ? 5 : NVL == 16 ? 4 : NVL == 8 ? 3 : NVL == 4 ? 2 : 1;
+    constexpr int TILE_ELEMS = TILE * D;
+    static_assert(NV * VEC == D && NV % NVL == 0 && TILE % RPB == 0 && GP <= NVL &&
+                  (1 << LOG_NVL) == NVL, "unsupported shape");
+
+    extern __shared__ __align__(16) unsigned char smem_dyn[];
+    __shared__ float s_s[G * TILE];                // scores, then probabilities, of a tile
+    __shared__ float m_s[G], l_s[G], a_s[G];       // running max, sum, this tile's rescale
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.x, kvh = blockIdx.y, n_splits = gridDim.x;
+    const int L = k_shape[2];
+    const int chunk = (L + n_splits - 1) / n_splits;
+    const int start = min(split * chunk, L);
+    const int end = min(start + chunk, L);
+    const int n_tiles = (end - start + TILE - 1) / TILE;
+
+    const T* kb = k + kvh * k_strides[1];
+    const T* vb = v + kvh * v_strides[1];
+    const long long krs = k_strides[2], vrs = v_strides[2];
+    const long long kds = k_strides[3], vds = v_strides[3];
+    // 16-byte copies need unit element stride, vector-aligned row/head strides and base
+    const bool vec_ok = kds == 1 && vds == 1 && krs % VEC == 0 && vrs % VEC == 0 &&
+        k_strides[1] % VEC == 0 && v_strides[1] % VEC == 0 &&
+        (reinterpret_cast<unsigned long long>(k) & 15) == 0 &&
+        (reinterpret_cast<unsigned long long>(v) & 15) == 0;
+
+    auto load_tile = [&](int t) {
+        T* ks = reinterpret_cast<T*>(smem_dyn) + (t % STAGES) * 2 * TILE_ELEMS;
+        T* vs = ks + TILE_ELEMS;
+        const int row0 = start + t * TILE;
+        const int rows = min(TILE, end - row0);
+        if (vec_ok) {
+            for (int i = tid; i < TILE * NV; i += THREADS) {
+                const int r = i / NV, c = i % NV;
+                if (r < rows) {
+                    cp_async16(ks + r * D + c * VEC, kb + (long long)(row0 + r) * krs + c * VEC);
+                    cp_async16(vs + r * D + c * VEC, vb + (long long)(row0 + r) * vrs + c * VEC);
+                }
+            }
+        } else {
+            for (int i = tid; i < TILE_ELEMS; i += THREADS) {
+                const int r = i / D, c = i % D;
+                if (r < rows) {
+                    ks[i] = kb[(long long)(row0 + r) * krs + c * kds];
+                    vs[i] = vb[(long long)(row0 + r) * vrs + c * vds];
+                }
+            }
+        }
+    };
+
+    // this thread: rows rg, rg + RPB, ... of a tile; vectors c0, c0 + NVL, ... of a row
+    const int rg = tid / NVL, c0 = tid % NVL;
+    float qr[G][PER * VEC];
+    float acc[G][PER * VEC];
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                qr[h][j * VEC + e] =
+                    q[(kvh * G + h) * q_strides[0] + ((c0 + NVL * j) * VEC + e) * q_strides[1]];
+                acc[h][j * VEC + e] = 0.0f;
+            }
+    if (tid < G) { m_s[tid] = neg_inf(); l_s[tid] = 0.0f; }
+
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < n_tiles) load_tile(t);
+        cp_async_commit();
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+        // the stage refilled here was last read in iteration t - 1 (synced at its end)
+        if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();               // tile t's copies have landed
+        __syncthreads();
+        const T* ks = reinterpret_cast<const T*>(smem_dyn) + (t % STAGES) * 2 * TILE_ELEMS;
+        const T* vs = ks + TILE_ELEMS;
+        const int rows = min(TILE, end - (start + t * TILE));
+
+        // scores: the row's lanes reduce G dot products, scattering one head per lane
+#pragma unroll
+        for (int i = 0; i < TILE / RPB; ++i) {
+            const int r = rg + RPB * i;
+            float part[GP];
+#pragma unroll
+            for (int h = 0; h < GP; ++h) part[h] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) {
+                float kf[VEC];
+                if (r < rows) {
+                    Vec<T>::to_float(
+                        *reinterpret_cast<const uint4*>(ks + r * D + (c0 + NVL * j) * VEC), kf);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) kf[e] = 0.0f;
+                }
+#pragma unroll
+                for (int h = 0; h < G; ++h)
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) part[h] += qr[h][j * VEC + e] * kf[e];
+            }
+            int idx = 0;
+#pragma unroll
+            for (int step = 0; step < LOG_NVL; ++step) {
+                const int o = NVL >> (step + 1);
+                if (step < LOG_GP) {  // halve the values: keep one half, add the partner's
+                    const int half = GP >> (step + 1);
+                    const bool upper = (lane & o) != 0;
+#pragma unroll
+                    for (int x = 0; x < half; ++x) {
+                        const float send = upper ? part[x] : part[x + half];
+                        const float keep = upper ? part[x + half] : part[x];
+                        part[x] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                    }
+                    if (upper) idx += half;
+                } else {
+                    part[0] += __shfl_xor_sync(0xffffffffu, part[0], o);
+                }
+            }
+            if (idx < G && c0 % (NVL / GP) == 0)
+                s_s[idx * TILE + r] = r < rows ? part[0] : neg_inf();
+        }
+        __syncthreads();
+
+        // online softmax per head: a warp per head, a lane per row
+        for (int h = warp; h < G; h += WARPS) {
+            const float s = s_s[h * TILE + lane];
+            float tmax = s;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+            const float m_old = m_s[h];
+            const float m_new = fmaxf(m_old, tmax);  // finite: every tile has a row
+            const float p = expf(s - m_new);
+            float sum = p;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            s_s[h * TILE + lane] = p;
+            __syncwarp();
+            if (lane == 0) {
+                const float a = expf(m_old - m_new);
+                a_s[h] = a;
+                l_s[h] = l_s[h] * a + sum;
+                m_s[h] = m_new;
+            }
+        }
+        __syncthreads();
+
+        // values: rescale, then add p * v for this thread's rows
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            const float a = a_s[h];
+#pragma unroll
+            for (int e = 0; e < PER * VEC; ++e) acc[h][e] *= a;
+        }
+#pragma unroll
+        for (int i = 0; i < TILE / RPB; ++i) {
+            const int r = rg + RPB * i;
+            if (r < rows) {
+#pragma unroll
+                for (int j = 0; j < PER; ++j) {
+                    float vf[VEC];
+                    Vec<T>::to_float(
+                        *reinterpret_cast<const uint4*>(vs + r * D + (c0 + NVL * j) * VEC), vf);
+#pragma unroll
+                    for (int h = 0; h < G; ++h) {
+                        const float p = s_s[h * TILE + r];
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) acc[h][j * VEC + e] += p * vf[e];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // sum the row groups' outputs in a fixed order (deterministic), write the split's part
+    float* red = reinterpret_cast<float*>(smem_dyn);
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                red[(rg * G + h) * D + (c0 + NVL * j) * VEC + e] = acc[h][j * VEC + e];
+    __syncthreads();
+    const long long base = ((long long)kvh * n_splits + split) * G;
+    for (int x = tid; x < G * D; x += THREADS) {
+        float sum = 0.0f;
+        for (int r = 0; r < RPB; ++r) sum += red[r * G * D + x];
+        o_part[base * D + x] = sum;
+    }
+    if (tid < G) {
+        m_part[base + tid] = m_s[tid];
+        l_part[base + tid] = l_s[tid];
+    }
+"""
+
+# Template constants: O (output dtype), D, G. One block per query head, a thread per dim.
+_COMBINE = """
+    using namespace qwen38_dattn;
+    const int hq = blockIdx.x, kvh = hq / G, g = hq % G;
+    const int S = m_part_shape[1];
+    const long long row = (long long)kvh * S * G + g;  // (kvh, split 0, g)
+    float m_max = neg_inf();
+    for (int s = 0; s < S; ++s) m_max = fmaxf(m_max, m_part[row + (long long)s * G]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+        for (int s = 0; s < S; ++s) {
+            const long long at = row + (long long)s * G;
+            const float w = expf(m_part[at] - m_max);  // 0 for an empty split (m = -inf)
+            den += w * l_part[at];
+            num += w * o_part[at * D + d];
+        }
+        out[hq * D + d] = O(num / den);
+    }
+"""
+
+
+def _fill(source: str, **values: int) -> str:
+    for name, value in values.items():
+        source = source.replace(f"__{name}__", str(value))
+    return source
+
+
+def _vec(dtype: mx.Dtype) -> int:
+    return 16 // dtype.size
+
+
+def _lanes(dtype: mx.Dtype, head_dim: int) -> int:
+    """Lanes sharing one K/V row in the partial kernel."""
+    return min(head_dim // _vec(dtype), 32)
+
+
+def _smem_bytes(dtype: mx.Dtype, head_dim: int, group: int) -> int:
+    """Dynamic shared memory: the pipeline, reused at the end for the row groups' outputs."""
+    pipeline = STAGES * 2 * TILE * head_dim * dtype.size
+    reduction = (THREADS // _lanes(dtype, head_dim)) * group * head_dim * 4
+    return max(pipeline, reduction)
+
+
+@functools.cache
+def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
+    return mx.fast.cuda_kernel(
+        name="qwen38_decode_attention_partial",
+        input_names=["q", "k", "v"],
+        output_names=["o_part", "m_part", "l_part"],
+        source=_fill(_PARTIAL, THREADS=THREADS, TILE=TILE, STAGES=STAGES),
+        header=_HEADER,
+        ensure_row_contiguous=False,
+        shared_memory=_smem_bytes(dtype, head_dim, group),
+    )
+
+
+@functools.cache
+def _combine_kernel():
+    return mx.fast.cuda_kernel(
+        name="qwen38_decode_attention_combine",
+        input_names=["o_part", "m_part", "l_part"],
+        output_names=["out"],
+        source=_COMBINE,
+        header=_HEADER,
+    )
+
+
+def n_splits(length: int, kv_heads: int) -> int:
+    """Splits of the sequence: about one wave of blocks over the SMs, none shorter than
+    MIN_SPLIT_ROWS (short contexts: fewer partial outputs to write and merge)."""
+    wave = max(SMS * BLOCKS_PER_SM // kv_heads, 1)
+    return max(min(math.ceil(length / MIN_SPLIT_ROWS), wave), 1)
+
+
+def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
+    """ValueError naming what the kernel cannot take (before any work)."""
+    if q.ndim != 4 or q.shape[0] != 1 or q.shape[2] != 1:
+        raise ValueError(f"decode attention: q must be [1, Hq, 1, D], got {q.shape}")
+    if k.ndim != 4 or k.shape[0] != 1:
+        raise ValueError(f"decode attention: k must be [1, Hkv, L, D], got {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"decode attention: v {v.shape} must have k's shape {k.shape}")
+    _, hq, _, d = q.shape
+    _, hkv, length, dk = k.shape
+    if dk != d:
+        raise ValueError(f"decode attention: q head_dim {d} != k head_dim {dk}")
+    if length < 1:
+        raise ValueError("decode attention: no keys (L = 0)")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"decode attention: {hq} query heads not a multiple of {hkv} KV heads")
+    if k.dtype != v.dtype or k.dtype not in DTYPES or q.dtype not in DTYPES:
+        raise ValueError(
+            f"decode attention: dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: K and V must "
+            "share one of float16, bfloat16, float32"
+        )
+    group = hq // hkv
+    lanes = _lanes(k.dtype, d)
+    if d not in HEAD_DIMS or lanes < 8:
+        raise ValueError(f"decode attention: head_dim {d} with {k.dtype} is not supported")
+    if 1 << (group - 1).bit_length() > lanes or group * d // lanes > MAX_Q_REGISTERS:
+        raise ValueError(f"decode attention: {group} query heads per KV head is too many")
+
+
+def decode_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, splits: int | None = None
+) -> mx.array:
+    """softmax(q k^T * scale) v for one query token, as mx.fast.scaled_dot_product_attention.
+
+    q: [1, Hq, 1, D]; k, v: [1, Hkv, L, D] (strided views are read in place); Hq a multiple
+    of Hkv (GQA). Returns [1, Hq, 1, D] in q's dtype. splits: blocks per KV head (default
+    `n_splits`; benchmarks sweep it)."""
+    check_shapes(q, k, v)
+    _, hq, _, d = q.shape
+    _, hkv, length, _ = k.shape
+    group = hq // hkv
+    if splits is None:
+        splits = n_splits(length, hkv)
+    elif not 1 <= splits <= length:
+        raise ValueError(f"decode attention: splits={splits} must be in [1, L={length}]")
+    # fp32 scaled query as a fresh array (row-contiguous, its own buffer)
+    qf = (q.astype(mx.float32) * scale).reshape(hq, d)
+    o_part, m_part, l_part = _partial_kernel(k.dtype, d, group)(
+        inputs=[qf, k, v],
+        template=[("T", k.dtype), ("D", d), ("G", group)],
+        grid=(splits * THREADS, hkv, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(hkv, splits, group, d), (hkv, splits, group), (hkv, splits, group)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    (out,) = _combine_kernel()(
+        inputs=[o_part, m_part, l_part],
+        template=[("O", q.dtype), ("D", d), ("G", group)],
+        grid=(hq * d, 1, 1),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(hq, d)],
+        output_dtypes=[q.dtype],
+    )
+    return out.reshape(1, hq, 1, d)
+
+
+def enabled() -> str:
+    """QWEN38_DECODE_ATTN_KERNEL: auto (probe), off, force (skip the probe)."""
+    return os.environ.get("QWEN38_DECODE_ATTN_KERNEL", "auto")
+
+
+def supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
+    """Whether this device and these shapes can run the kernel at all (no probe)."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    try:
+        check_shapes(q, k, v)
+    except ValueError:
+        return False
+    return True
+
+
+def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
+    """Run the kernel for this call: supported, not switched off, and the probe passed."""
+    choice = enabled()
+    if choice == "off" or not supported(q, k, v):
+        return False
+    group = q.shape[1] // k.shape[1]
+    return choice == "force" or available(q.dtype, k.dtype, k.shape[3], group)
+
+
+def _tolerance(dtype: mx.Dtype) -> float:
+    return {mx.float32: 1e-4, mx.float16: 2.0**-9, mx.bfloat16: 2.0**-7}[dtype]
+
+
+def mismatch(got: mx.array, want: mx.array) -> float:
+    """Error of `got` against `want`, in units of the output dtype's tolerance (<= 1 agrees):
+    fp32 elementwise, half precision relative to the output's norm (the paths sum in
+    different orders, so a value may round an ulp apart). NaN anywhere counts as infinite."""
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    if got.dtype == mx.float32:
+        err = (mx.abs(g - w).max() / mx.maximum(mx.abs(w).max(), 1.0)).item()
+    else:
+        err = (mx.linalg.norm(g - w) / mx.linalg.norm(w)).item()
+    return err / _tolerance(got.dtype) if math.isfinite(err) else math.inf
+
+
+def probe_cases(
+    q_dtype: mx.Dtype, kv_dtype: mx.Dtype, head_dim: int, group: int
+) -> list[tuple[mx.array, mx.array, mx.array, float]]:
+    """Random (q, k, v, scale) as the stores pass them: a prefix view of a larger buffer
+    (contiguous store, paged pool), a view starting past row 0, a fresh gather; lengths
+    with a partial last tile, one row, and several splits."""
+    hkv, hq = 2, 2 * group
+    keys = mx.random.split(mx.random.key(11), 3)
+    cap = 1100
+    big_k = mx.random.normal((1, hkv, cap, head_dim), key=keys[0]).astype(kv_dtype)
+    big_v = mx.random.normal((1, hkv, cap, head_dim), key=keys[1]).astype(kv_dtype)
+    q = mx.random.normal((1, hq, 1, head_dim), key=keys[2]).astype(q_dtype)
+    scale = head_dim**-0.5
+    cases = []
+    for length in (1, 77, 1000):
+        cases.append((q, big_k[:, :, :length], big_v[:, :, :length], scale))
+    cases.append((q, big_k[:, :, 40:1040], big_v[:, :, 40:1040], scale))
+    rows = mx.arange(3, 300)
+    cases.append((q, mx.take(big_k, rows, axis=2), mx.take(big_v, rows, axis=2), scale))
+    # rows not 16-byte aligned: the element-by-element copy path
+    wide_k = mx.concatenate([big_k, big_k[..., :1]], axis=-1)
+    wide_v = mx.concatenate([big_v, big_v[..., :1]], axis=-1)
+    cases.append((q, wide_k[:, :, :77, 1:], wide_v[:, :, :77, 1:], scale))
+    return cases
+
+
+@functools.cache
+def available(q_dtype: mx.Dtype, kv_dtype: mx.Dtype, head_dim: int, group: int) -> bool:
+    """True when the kernel runs here and agrees with mx.fast.scaled_dot_product_attention
+    on `probe_cases` (probed once per dtypes, head_dim and group); else False, with a
+    warning when it ran but failed or disagreed."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    try:
+        worst = 0.0
+        for q, k, v, scale in probe_cases(q_dtype, kv_dtype, head_dim, group):
+            got = decode_attention(q, k, v, scale)
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+            worst = max(worst, mismatch(got, want))
+    except Exception as e:  # noqa: BLE001 - any failure means: use the MLX op
+        warnings.warn(
+            f"decode attention kernel unavailable ({e}); using mx.fast."
+            "scaled_dot_product_attention",
+            stacklevel=2,
+        )
+        return False
+    if not worst <= 1.0:
+        warnings.warn(
+            f"decode attention kernel disagrees with mx.fast.scaled_dot_product_attention "
+            f"({q_dtype}/{kv_dtype}, D={head_dim}, G={group}: {worst:.3g} x tolerance); "
+            "using the MLX op",
+            stacklevel=2,
+        )
+        return False
+    return True

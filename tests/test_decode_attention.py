@@ -1,0 +1,86 @@
+"""The split-KV decode attention kernel's CPU side: the module imports without CUDA, the
+probe says no, the stores' one-token path is mx.fast.scaled_dot_product_attention, and bad
+shapes are refused before any work. (The kernel itself: tests/test_gpu.py, --run-gpu.)"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from qwen38_backend.kernels import decode_attention as kernel
+
+from qwen38_backend.kv import PagedKV, one_token
+from qwen38_backend.kv.contiguous import ContiguousKV
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU fallback")
+
+
+def qkv(hq=6, hkv=2, length=40, d=64, dtype=mx.float32):
+    keys = mx.random.split(mx.random.key(3), 3)
+    q = mx.random.normal((1, hq, 1, d), key=keys[0]).astype(dtype)
+    k = mx.random.normal((1, hkv, length, d), key=keys[1]).astype(dtype)
+    v = mx.random.normal((1, hkv, length, d), key=keys[2]).astype(dtype)
+    return q, k, v
+
+
+def test_no_kernel_on_cpu():
+    q, k, v = qkv()
+    kernel.check_shapes(q, k, v)  # a shape the kernel takes ...
+    assert not kernel.supported(q, k, v)  # ... but not on this device
+    assert not kernel.usable(q, k, v)
+    assert not kernel.available(mx.float32, mx.float32, 64, 3)
+
+
+def test_one_token_attention_is_the_mlx_op_on_cpu(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CUDA kernel ran on CPU")
+
+    monkeypatch.setattr(kernel, "decode_attention", refuse)
+    q, k, v = qkv()
+    got = one_token.attend_one_token(q, k, v, 0.125)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    assert mx.array_equal(got, want)
+    for store in (ContiguousKV(), PagedKV(page_tokens=8, budget=16, always_select=True)):
+        store.attend(q, k[:, :, :-1], v[:, :, :-1], 0.125)  # prefill 39 rows
+        out = store.attend(q, k[:, :, -1:], v[:, :, -1:], 0.125)
+        assert out.shape == q.shape and mx.isfinite(out).all().item()
+
+
+@pytest.mark.parametrize(
+    ("shapes", "message"),
+    [
+        (((1, 6, 2, 64), (1, 2, 9, 64), (1, 2, 9, 64)), "q must be"),
+        (((1, 6, 1, 64), (2, 2, 9, 64), (2, 2, 9, 64)), "k must be"),
+        (((1, 6, 1, 64), (1, 2, 9, 64), (1, 2, 8, 64)), "must have k's shape"),
+        (((1, 6, 1, 64), (1, 2, 9, 32), (1, 2, 9, 32)), "head_dim 64 != k head_dim 32"),
+        (((1, 6, 1, 64), (1, 2, 0, 64), (1, 2, 0, 64)), "no keys"),
+        (((1, 6, 1, 64), (1, 4, 9, 64), (1, 4, 9, 64)), "not a multiple"),
+        (((1, 6, 1, 48), (1, 2, 9, 48), (1, 2, 9, 48)), "head_dim 48"),
+        (((1, 64, 1, 64), (1, 1, 9, 64), (1, 1, 9, 64)), "too many"),
+    ],
+)
+def test_bad_shapes_are_refused(shapes, message):
+    q, k, v = (mx.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        kernel.decode_attention(q, k, v, 1.0)
+    assert not kernel.supported(q, k, v)
+
+
+def test_bad_dtypes_and_splits_are_refused():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel.decode_attention(q, k.astype(mx.bfloat16), v, 1.0)
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel.decode_attention(q, k.astype(mx.int32), v.astype(mx.int32), 1.0)
+    with pytest.raises(ValueError, match="splits=41"):
+        kernel.decode_attention(q, k, v, 1.0, splits=41)
+
+
+def test_split_count():
+    wave = kernel.SMS * kernel.BLOCKS_PER_SM // 4
+    assert kernel.n_splits(1, 4) == 1
+    assert kernel.n_splits(kernel.MIN_SPLIT_ROWS, 4) == 1
+    assert kernel.n_splits(kernel.MIN_SPLIT_ROWS + 1, 4) == 2
+    assert kernel.n_splits(1 << 20, 4) == wave
+    for length in (1, 7, 255, 4096, 33000, 262144):
+        s = kernel.n_splits(length, 4)
+        assert 1 <= s <= length and -(-length // s) * (s - 1) < length  # no empty split
