@@ -19,7 +19,8 @@ resident) and the running min/max of its open page.
   with the Quest bound, selects (sinks + recent window + top-k; one page set shared by the
   KV heads unless shared=False, then each head's own), makes the
   selection resident (pinned while misses are fetched), gathers the selected rows per head
-  into [Hkv, n_sel * page_tokens, D] and runs mx.fast.scaled_dot_product_attention.
+  into [Hkv, n_sel * page_tokens, D] and attends through kv/one_token.py (the split-KV CUDA
+  kernel, else mx.fast.scaled_dot_product_attention).
 - QSA layers (models/qsa.py) select with their own indexer: they set `quest = False` (no
   Quest metadata, decode dense through `attend` while the model says so), write with
   `store` and read their selection with `gather(positions)`, which makes the pages
@@ -39,6 +40,7 @@ import numpy as np
 
 from ..errors import AdmissionError, InvalidOptionError, SpillError
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
+from .one_token import attend_one_token
 from .pool import PagePool, PoolFullError
 from .quest import forced_pages, page_min_max, quest_scores, select_pages, shared_scores
 from .spill import SpillFile
@@ -416,7 +418,7 @@ class PagedKV:
                 blocks = self._past_blocks(self.length - 1, self._block())
                 return blocked_attention(q, blocks, k, v, scale)
             keys, values = self._dense_kv()
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+            return attend_one_token(q, keys, values, scale)
         past = self.length - T
         block = self._block()
         return attend_past(
@@ -494,7 +496,7 @@ class PagedKV:
             # The gather above reads this version of the pool: later writes cannot reach it.
             self.pool.unpin(pinned)
             self.pool.touch(pinned)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+        out = attend_one_token(q, keys, values, scale)
         if self.profile:
             mx.eval(out)
             self.stats["select_seconds"] += t1 - t0
