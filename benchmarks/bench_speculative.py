@@ -1,11 +1,17 @@
-"""n-gram speculative decoding vs plain greedy decoding on the demo model (CPU).
+"""Speculative decoding with n-gram drafts vs plain decoding, demo model, CPU, same process.
 
-Tasks where prompt lookup helps (repeat a list, rewrite a given code block) and one where it
-should not (open prose). For each: decode tok/s plain and with speculative="ngram" (median of
-`--runs`), the acceptance rate, tokens per forward, and whether the token streams are equal.
+Tasks where prompt lookup helps (fix a given code block and return it whole; answer from a
+given passage, quoting it; repeat a given list) and one where it should not (open prose: the
+throttle should keep it from being slower). For each task and mode: decode tok/s (median of
+`--runs`, modes interleaved run by run so load from other processes falls on both alike),
+the speedup against plain measured in the same run, acceptance rate, tokens per forward,
+throttle pauses, MLX peak memory, and whether the token streams are identical.
 
-    QWEN38_HOME=~/.cache/qwen38-test-home .venv/bin/python benchmarks/bench_speculative.py \
+    QWEN38_HOME=~/.cache/qwen38-test-home .venv/bin/python benchmarks/bench_speculative.py \\
         --out benchmarks/results/cpu/bench_speculative_demo.json
+
+(benchmarks/common.py loads the system OpenBLAS before MLX: with MLX's bundled reference BLAS
+a 5-row verify costs ~5 plain steps and drafting cannot win.)
 """
 
 from __future__ import annotations
@@ -13,15 +19,16 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import environment, write_json
+import common  # first: it loads the system OpenBLAS before MLX
+import mlx.core as mx
 
 import qwen38_backend
 
-CODE = """def mean(values):
+BUGGY_CODE = """def mean(values):
     total = 0
     for v in values:
         total += v
-    return total / len(values)
+    return total / len(value)
 
 
 def variance(values):
@@ -30,76 +37,100 @@ def variance(values):
     for v in values:
         total += (v - m) ** 2
     return total / len(values)
+
+
+def stdev(values):
+    return variance(values) ** 0.5
 """
 
+PASSAGE = (
+    "The Rhine is a river that begins in the Swiss Alps, in the canton of Graubunden, and "
+    "flows north through Lake Constance. It then turns west along the border between "
+    "Switzerland and Germany, passes Basel, and runs north between France and Germany. "
+    "After Mainz it cuts through the Rhine Gorge, where the Lorelei rock stands, and it "
+    "reaches the North Sea in the Netherlands near Rotterdam. The river is about 1,230 "
+    "kilometres long and is one of the busiest inland waterways in Europe."
+)
+
 TASKS = {
+    "fix_code": "This code has a bug (a misspelled name). Reply with the whole corrected code "
+    "and nothing else:\n\n" + BUGGY_CODE,
+    "answer_from_passage": "Passage:\n" + PASSAGE + "\n\nUsing only the passage, describe the "
+    "route of the Rhine from its source to the sea, quoting the passage's words.",
     "repeat_list": "Repeat this list exactly, one item per line: apple, banana, cherry, date, "
     "elderberry, fig, grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya.",
-    "rewrite_code": "Rewrite this Python code with type hints, otherwise unchanged:\n\n" + CODE,
-    "prose": "Write a short paragraph about why the sea is blue.",
+    "open_prose": "Write a short paragraph about why the sea is blue.",
 }
+MODES = ("off", "ngram")
+
+
+def one_run(model, ids: list[int], mode: str, max_tokens: int, k: int) -> dict:
+    mx.reset_peak_memory()
+    stream = model.generate_tokens(ids, max_tokens=max_tokens, draft=mode, draft_tokens=k)
+    tokens = list(stream)
+    s = stream.stats
+    return {
+        "tokens": tokens,
+        "decode_tok_s": s.decode_tokens_per_second,
+        "draft": s.draft_stats(),
+        "peak_memory_bytes": mx.get_peak_memory(),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen38-demo")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="draft_tokens")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--out")
     args = ap.parse_args()
 
     model = qwen38_backend.load(args.model)
     session = model.session(cache=False)
     result = {
-        "benchmark": "speculative (n-gram drafts, greedy)",
+        "benchmark": "speculative decoding, n-gram drafts vs plain (greedy)",
         "model": args.model,
         "max_tokens": args.max_tokens,
-        "speculative_tokens": args.k,
+        "draft_tokens": args.k,
         "runs": args.runs,
-        "environment": environment(),
+        "environment": common.environment(),
         "tasks": {},
     }
-    for name, text in TASKS.items():
+    list(model.generate_tokens([1, 2, 3], max_tokens=4))  # compile the decode graphs
+    for name in args.tasks.split(","):
+        text = TASKS[name]
         ids = session.request([{"role": "user", "content": text}], enable_thinking=False).ids
-        row: dict = {"prompt_tokens": len(ids)}
-        streams: dict = {}
-        rates: dict = {"off": [], "ngram": []}
-        specs: dict = {}
-        # modes alternate run by run, so load from other processes on this shared CPU
-        # falls on both alike
+        runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for _ in range(args.runs):
-            for mode in ("off", "ngram"):
-                stream = model.generate_tokens(
-                    ids, max_tokens=args.max_tokens, speculative=mode, speculative_tokens=args.k
-                )
-                streams[mode] = list(stream)
-                rates[mode].append(stream.stats.decode_tokens_per_second)
-                specs[mode] = stream.stats.speculative
-        for mode in ("off", "ngram"):
-            spec = specs[mode]
-            runs = rates[mode]
-            row[mode] = {"decode_tok_s": {"median": statistics.median(runs), "runs": runs}}
-            if spec:
-                gen = len(streams[mode])
-                row[mode]["speculative"] = spec
-                # forwards after the first token (which comes from the prefill logits)
-                row[mode]["tokens_per_forward"] = (gen - 1) / max(spec["forwards"], 1)
-        row["generated_tokens"] = len(streams["off"])
-        row["identical_tokens"] = streams["off"] == streams["ngram"]
+            for mode in MODES:
+                runs[mode].append(one_run(model, ids, mode, args.max_tokens, args.k))
+        row: dict = {"prompt_tokens": len(ids)}
+        for mode in MODES:
+            rates = [r["decode_tok_s"] for r in runs[mode]]
+            row[mode] = {
+                "decode_tok_s": {"median": statistics.median(rates), "runs": rates},
+                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in runs[mode]),
+            }
+        row["ngram"]["draft"] = runs["ngram"][-1]["draft"]
+        streams = [r["tokens"] for mode in MODES for r in runs[mode]]
+        row["generated_tokens"] = len(streams[0])
+        row["identical_tokens"] = all(s == streams[0] for s in streams)
         row["speedup"] = (
             row["ngram"]["decode_tok_s"]["median"] / row["off"]["decode_tok_s"]["median"]
         )
-        row["text"] = model.tokenizer.decode(streams["ngram"])[:400]
+        row["text"] = model.tokenizer.decode(streams[0])[:500]
         result["tasks"][name] = row
+        d = row["ngram"]["draft"]
         print(
             f"{name}: plain {row['off']['decode_tok_s']['median']:.2f} tok/s, ngram "
             f"{row['ngram']['decode_tok_s']['median']:.2f} tok/s (x{row['speedup']:.2f}), "
-            f"accept {row['ngram']['speculative']['acceptance_rate']:.2f}, "
+            f"acceptance {d['acceptance_rate']:.2f}, {d['tokens_per_forward']:.2f} tok/forward, "
             f"identical {row['identical_tokens']}",
             flush=True,
         )
-    write_json(result, args.out)
+    common.write_json(result, args.out)
 
 
 if __name__ == "__main__":

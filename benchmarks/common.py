@@ -10,7 +10,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import mlx.core as mx
+from qwen38_backend import blas
+
+# The system OpenBLAS before MLX loads (qwen38_backend/blas.py; importing the package did it
+# already). With MLX imported first its reference BLAS stays, where a k-row matmul costs ~k
+# one-row ones (bench_speculative.py measured no gain from 3.3 tokens per forward that way).
+blas.use_system_openblas()
+
+import mlx.core as mx  # noqa: E402
 
 
 def median_of(runs: int, fn: Callable[[], float]) -> dict:
@@ -55,6 +62,7 @@ def environment() -> dict:
         "device": str(mx.default_device()),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "blas": blas.loaded or "MLX's bundled BLAS",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
