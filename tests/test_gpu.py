@@ -100,3 +100,119 @@ def test_gdn_decode_kernel_matches_the_op_path(dtype):
                 assert (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item() < 2.0**-7
         ours = [ours[0], ours[1]]
         ref = [ref[0], ref[1]]
+
+
+def _kv_views(hkv, length, d, dtype, seed, layout="store"):
+    """K/V [1, Hkv, L, D] laid out as a store passes them: `store` a prefix of a larger
+    buffer (ContiguousKV), `pool` the paged pool's head-major prefix, `gathered` a fresh
+    gather (Quest), `misaligned` rows not 16-byte aligned (the element-copy path)."""
+    keys = mx.random.split(mx.random.key(seed), 2)
+    cap = length + 100
+    if layout == "pool":
+        k = mx.random.normal((hkv, cap, d), key=keys[0]).astype(dtype)[:, :length][None]
+        v = mx.random.normal((hkv, cap, d), key=keys[1]).astype(dtype)[:, :length][None]
+        return k, v
+    wide = d + 1 if layout == "misaligned" else d
+    big_k = mx.random.normal((1, hkv, cap, wide), key=keys[0]).astype(dtype)
+    big_v = mx.random.normal((1, hkv, cap, wide), key=keys[1]).astype(dtype)
+    if layout == "misaligned":
+        return big_k[:, :, :length, 1:], big_v[:, :, :length, 1:]
+    if layout == "gathered":
+        rows = mx.arange(cap - length, cap)
+        return mx.take(big_k, rows, axis=2), mx.take(big_v, rows, axis=2)
+    return big_k[:, :, :length], big_v[:, :, :length]
+
+
+def _decode_kernel():
+    from qwen38_backend.kernels import decode_attention
+
+    if not mx.cuda.is_available():
+        pytest.skip("the split-KV decode attention kernel is CUDA-only")
+    return decode_attention
+
+
+def _check_decode_attention(kernel, hq, hkv, length, d, dtype, layout, splits=None, seed=0):
+    q = mx.random.normal((1, hq, 1, d), key=mx.random.key(seed + 1)).astype(dtype)
+    k, v = _kv_views(hkv, length, d, dtype, seed, layout)
+    scale = d**-0.5
+    got = kernel.decode_attention(q, k, v, scale, splits=splits)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    # an fp32 reference from plain ops, independent of both
+    qf, kf, vf = (x.astype(mx.float32) for x in (q, k, v))
+    qg = qf.reshape(hkv, hq // hkv, d)
+    p = mx.softmax((qg @ kf[0].swapaxes(-1, -2)) * scale, axis=-1)
+    exact = (p @ vf[0]).reshape(1, hq, 1, d)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert mx.isfinite(got.astype(mx.float32)).all().item()
+    assert kernel.mismatch(got, want) <= 1.0, (length, dtype, layout)
+    assert kernel.mismatch(got, exact.astype(dtype)) <= 1.0, (length, dtype, layout)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+@pytest.mark.parametrize("length", [1, 7, 255, 4096, 33000])
+def test_decode_attention_kernel_matches_sdpa(dtype, length):
+    """27B full-attention shapes (24 query heads, 4 KV heads, D 256), the contiguous store's
+    layout, lengths with a partial last tile and one row, against the MLX op and fp32 math."""
+    kernel = _decode_kernel()
+    assert kernel.available(dtype, dtype, 256, 6)
+    _check_decode_attention(kernel, 24, 4, length, 256, dtype, "store", seed=length)
+
+
+@pytest.mark.parametrize("layout", ["pool", "gathered", "misaligned"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_decode_attention_kernel_layouts(layout, dtype):
+    kernel = _decode_kernel()
+    for length in (1, 33, 2048, 5000):
+        _check_decode_attention(kernel, 24, 4, length, 256, dtype, layout, seed=length)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(24, 4, 128), (24, 4, 64), (8, 8, 128), (16, 2, 64)])
+def test_decode_attention_kernel_other_heads(hq, hkv, d):
+    kernel = _decode_kernel()
+    for dtype in (mx.bfloat16, mx.float16):
+        assert kernel.available(dtype, dtype, d, hq // hkv)
+        for length in (1, 300, 9000):
+            _check_decode_attention(kernel, hq, hkv, length, d, dtype, "store", seed=length)
+
+
+def test_decode_attention_kernel_any_split_count():
+    """Forced split counts (one, uneven, empty last splits, one row each) give the same
+    answer: the log-sum-exp merge and the chunk arithmetic."""
+    kernel = _decode_kernel()
+    for length, splits in ((1000, 1), (1000, 7), (1000, 333), (129, 129), (4096, 64)):
+        _check_decode_attention(kernel, 24, 4, length, 256, mx.bfloat16, "store", splits)
+
+
+def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
+    """A tiny fp32 model decodes the same tokens with the kernel on as off (contiguous store,
+    paged dense, paged Quest), and the kernel did run when on."""
+    from helpers import dense_fixture
+
+    import qwen38_backend
+
+    kernel = _decode_kernel()
+    calls = []
+    original = kernel.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "decode_attention", counted)
+    model = qwen38_backend.load(dense_fixture("qwen3", tmp_path), dtype="float32")
+    prompt = [(7 * i + 3) % 500 + 2 for i in range(100)]
+    stores = [
+        {},
+        {"kv_paged": True, "kv_topk": 4096},
+        {"kv_paged": True, "kv_topk": 16, "kv_page_tokens": 8, "kv_sinks": 8, "kv_recent": 8},
+    ]
+    for options in stores:
+        runs = {}
+        for choice in ("auto", "off"):
+            monkeypatch.setenv("QWEN38_DECODE_ATTN_KERNEL", choice)
+            calls.clear()
+            runs[choice] = list(
+                model.generate_tokens(prompt, max_tokens=16, stop_token_ids=[], **options)
+            )
+            assert bool(calls) == (choice == "auto"), (options, choice, len(calls))
+        assert runs["auto"] == runs["off"], options

@@ -1,0 +1,144 @@
+"""One layer's decode attention at depth on CUDA: the split-KV kernel vs MLX's SDPA.
+
+    python benchmarks/bench_decode_attention.py --out decode_attention.json
+
+Qwen3.8-27B full-attention shapes (24 query heads, 4 KV heads, head_dim 256, bf16), one
+query token over L stored rows laid out as the stores pass them: a prefix view of a larger
+buffer (ContiguousKV; the paged pool's dense view is the same kind of strided prefix) and a
+fresh gather of 2,048 rows (a Quest selection at the default budget). Per case: seconds per
+call (median of --runs runs of --inner back-to-back calls, mx.synchronize around each run),
+achieved GB/s (K + V bytes / seconds) against the 4.8 TB/s bound, the ratio to
+mx.fast.scaled_dot_product_attention measured in the same run, peak memory of each, and the
+kernel's error against the MLX op. --sweep-splits also times other split counts at the
+longest length. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx.core as mx  # noqa: E402
+from common import environment, peak_bandwidth, write_json  # noqa: E402
+
+HQ, HKV, D = 24, 4, 256
+
+
+def timed(fn, runs: int, inner: int) -> dict:
+    """Seconds per call: median over runs of (inner calls, each evaluated) / inner."""
+    for _ in range(3):
+        mx.eval(fn())
+    mx.synchronize()
+    values = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        for _ in range(inner):
+            mx.eval(fn())
+        mx.synchronize()
+        values.append((time.perf_counter() - t) / inner)
+    return {"median_s": statistics.median(values), "min_s": min(values), "runs_s": values}
+
+
+def peak_of(fn) -> int:
+    mx.synchronize()
+    mx.reset_peak_memory()
+    mx.eval(fn())
+    mx.synchronize()
+    return mx.get_peak_memory()
+
+
+def case(kernel, name: str, q, k, v, args, bound: float) -> dict:
+    scale = D**-0.5
+    mx.eval(q, k, v)
+    length = k.shape[2]
+    kv_bytes = 2 * HKV * length * D * k.dtype.size
+    ours = lambda: kernel.decode_attention(q, k, v, scale)  # noqa: E731
+    sdpa = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)  # noqa: E731
+    base = mx.get_active_memory()
+    row = {"case": name, "L": length, "kv_bytes": kv_bytes, "splits": kernel.n_splits(length, HKV)}
+    row["mismatch_x_tolerance"] = kernel.mismatch(ours(), sdpa())
+    for label, fn in (("kernel", ours), ("sdpa", sdpa)):
+        t = timed(fn, args.runs, args.inner)
+        t["GBps"] = kv_bytes / t["median_s"] / 1e9
+        t["fraction_of_bound"] = kv_bytes / t["median_s"] / bound
+        t["peak_bytes_above_inputs"] = peak_of(fn) - base
+        row[label] = t
+    row["speedup_vs_sdpa"] = row["sdpa"]["median_s"] / row["kernel"]["median_s"]
+    print(
+        f"{name:>10} L={length:>7}: kernel {row['kernel']['median_s'] * 1e6:8.1f} us "
+        f"{row['kernel']['GBps']:7.0f} GB/s | sdpa {row['sdpa']['median_s'] * 1e6:8.1f} us "
+        f"{row['sdpa']['GBps']:7.0f} GB/s | x{row['speedup_vs_sdpa']:.2f}",
+        file=sys.stderr,
+    )
+    return row
+
+
+def sweep_splits(kernel, q, k, v, counts: list[int], args) -> dict:
+    """The kernel at other split counts (blocks per KV head) on the same K/V."""
+    length, rows = k.shape[2], []
+    for s in counts:
+        call = lambda s=s: kernel.decode_attention(q, k, v, D**-0.5, splits=s)  # noqa: E731
+        t = timed(call, args.runs, args.inner)
+        t["splits"] = s
+        t["GBps"] = 2 * HKV * length * D * k.dtype.size / t["median_s"] / 1e9
+        rows.append(t)
+        print(f"  splits {s:>4}: {t['GBps']:7.0f} GB/s", file=sys.stderr)
+    return {"L": length, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="4096,32768,131072,262144")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=20)
+    ap.add_argument("--gathered", type=int, default=2048, help="rows of the Quest-like case")
+    ap.add_argument("--sweep-splits", default="16,33,66,132,264")
+    ap.add_argument("--bandwidth-gbps", type=float, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        sys.exit("bench_decode_attention.py needs MLX with the CUDA backend (a CUDA kernel)")
+    from qwen38_backend.kernels import decode_attention as kernel
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    bound, bound_from = peak_bandwidth(args.bandwidth_gbps)
+    dtype = mx.bfloat16
+    result = {
+        "environment": environment(),
+        "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16"},
+        "bound_bytes_per_s": bound,
+        "bound_from": bound_from,
+        "probe_passed": kernel.available(dtype, dtype, D, HQ // HKV),
+        "runs": args.runs,
+        "inner": args.inner,
+        "rows": [],
+    }
+    q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(0)).astype(dtype)
+    for length in lengths:
+        cap = -(-length // 256) * 256 + 256  # a store's buffer grows in steps of 256
+        keys = mx.random.split(mx.random.key(length), 2)
+        big_k = mx.random.normal((1, HKV, cap, D), key=keys[0]).astype(dtype)
+        big_v = mx.random.normal((1, HKV, cap, D), key=keys[1]).astype(dtype)
+        k, v = big_k[:, :, :length], big_v[:, :, :length]
+        result["rows"].append(case(kernel, "store", q, k, v, args, bound))
+        if length == max(lengths) and args.sweep_splits:
+            counts = [int(x) for x in args.sweep_splits.split(",")]
+            result["splits_sweep"] = sweep_splits(kernel, q, k, v, counts, args)
+        del big_k, big_v, k, v
+        mx.clear_cache()
+    n = args.gathered
+    keys = mx.random.split(mx.random.key(1), 3)
+    pool_k = mx.random.normal((HKV, 4 * n, D), key=keys[0]).astype(dtype)
+    pool_v = mx.random.normal((HKV, 4 * n, D), key=keys[1]).astype(dtype)
+    rows = mx.sort(mx.random.permutation(4 * n, key=keys[2])[:n])
+    k, v = mx.take(pool_k, rows, axis=1)[None], mx.take(pool_v, rows, axis=1)[None]
+    result["rows"].append(case(kernel, "gathered", q, k, v, args, bound))
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
