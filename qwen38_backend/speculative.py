@@ -112,11 +112,28 @@ def parse_options(options: dict[str, Any]) -> DraftOptions:
     return DraftOptions(mode=mode, tokens=k)
 
 
+def rows_match_steps() -> bool:
+    """Whether a verify forward's rows are bit-identical to plain decode steps here: on the
+    CPU yes (tested); on a GPU no (H200, MLX 0.32.4, 27B dims bf16: rows of a 5-position
+    forward differ from 5 plain steps by up to 0.5 in the logits, argmax agreeing on 3 of 5;
+    benchmarks/results/h200/verify.json), so drafting there could change the output."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:
     """What `model` runs: MTP for auto when it has a head, else nothing; mtp without a head is
-    refused before any work. None: plain decoding."""
+    refused before any work, and so is drafting where verify rows would not match plain
+    steps (`rows_match_steps`; auto then decodes plainly). None: plain decoding."""
     if options is None or options.mode == "off":
         return None
+    if not rows_match_steps():
+        if options.mode == "auto":
+            return None
+        raise InvalidOptionError(
+            f"draft={options.mode!r}: on this device a verify forward's rows are not "
+            "bit-identical to plain decode steps, so drafted output could differ from plain "
+            "decoding; drafting runs on the CPU only for now (use draft='off' here)"
+        )
     has_mtp = bool(getattr(model.net, "has_mtp", False))
     mode = options.mode
     if mode == "auto":

@@ -203,8 +203,8 @@ def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
     prompt = [(7 * i + 3) % 500 + 2 for i in range(100)]
     stores = [
         {},
-        {"kv_paged": True, "kv_topk": 4096},
-        {"kv_paged": True, "kv_topk": 16, "kv_page_tokens": 8, "kv_sinks": 8, "kv_recent": 8},
+        {"kv_paged": "on", "kv_topk": 4096},
+        {"kv_paged": "on", "kv_topk": 16, "kv_page_tokens": 8, "kv_sinks": 8, "kv_recent": 8},
     ]
     for options in stores:
         runs = {}

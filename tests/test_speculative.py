@@ -89,6 +89,19 @@ def test_options_are_checked_and_resolved_against_the_model(dense, hybrid):
         split_options({"drafts": "ngram"})
 
 
+def test_no_drafting_where_verify_rows_differ_from_plain_steps(hybrid, monkeypatch):
+    """On a GPU a verify forward's rows are not the plain steps' bits (measured on the H200):
+    auto decodes plainly there and an explicit draft mode is refused before any work."""
+    assert speculative.rows_match_steps()  # this CPU
+    monkeypatch.setattr(speculative, "rows_match_steps", lambda: False)
+    assert resolve(parse_options({}), hybrid) is None
+    for mode in ("mtp", "ngram"):
+        with pytest.raises(InvalidOptionError, match="not bit-identical"):
+            resolve(parse_options({"draft": mode}), hybrid)
+    with pytest.raises(InvalidOptionError, match="not bit-identical"):
+        hybrid.session(cache=False).request("hi", draft="ngram")
+
+
 def test_old_option_names_warn_and_map_to_the_new_ones():
     with pytest.warns(DeprecationWarning, match="use 'draft'"):
         assert parse_options({"speculative": "ngram"}) == DraftOptions("ngram", None)
