@@ -2,6 +2,8 @@
 
     python benchmarks/quest_recall.py --cache /tmp/quest_cache --budgets 256,512,1024,2048 \
         --out benchmarks/results/cpu/quest_recall_demo.json
+    python benchmarks/quest_recall.py --variants base --budgets 768,1280,2304 \
+        --out benchmarks/results/cpu/quest_recall_demo_base_plus256.json
 
 Reads the dense references of quest_reference.py (each attention layer's query at every
 teacher-forced decode step, and the K/V those steps saw) and, for each selection variant,
@@ -10,7 +12,10 @@ runs, so a variant costs seconds instead of the minutes of a decode run. Per (la
 query head) it measures the share of the dense attention mass in the selected pages
 (recall) and |o_sparse - o_dense| / |o_dense| of the attention output (sparse = softmax over
 the selected keys only, as the store computes it). The end-to-end check of the variants that
-win here is quest_quality.py.
+win here is quest_quality.py. "base" is the selection before issue 18 (32-token pages, per
+KV head). The second command gives the base 256 more tokens of budget: the KV + metadata
+bytes that 16-token pages read at budget B (their fp32 metadata is 2x, ~252 tokens of fp32
+K/V per step on the demo at ~8K context) equal the base's at B + 256.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ VARIANTS = {
         Variant("sinks64", sinks=64),
         Variant("recent0", recent=0),
         Variant("recent256", recent=256),
+        Variant("page8", page_tokens=8),
+        Variant("page16_shared", page_tokens=16, shared=True),  # the default since issue 18
+        Variant("page8_shared", page_tokens=8, shared=True),
+        Variant("page16_sinks16", page_tokens=16, sinks=16),
+        Variant("page16_recent128", page_tokens=16, recent=128),
     ]
 }
 

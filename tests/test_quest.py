@@ -18,6 +18,7 @@ from qwen38_backend.kv.quest import (
     page_summary,
     quest_scores,
     select_pages,
+    shared_scores,
 )
 
 
@@ -147,6 +148,24 @@ def test_group_max_bound_dominates_every_heads_dot_products(case):
     # ... and it is the tightest such bound per dimension box: a corner key reaches it.
     literal = literal_head_scores(q, keys, group, "minmax", 1.0).max(axis=1)
     np.testing.assert_allclose(scores, literal, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=120, deadline=None)
+@given(pages_and_query())
+def test_shared_scores_bound_the_dot_products_summed_over_all_heads(case):
+    """Every KV head gets the same scores: the bound summed over KV heads, an upper bound of
+    sum over heads of the best key's group-summed q . k in the page."""
+    q, keys, group = case
+    hkv, n_pages, _, d = keys.shape
+    kmin, kmax = page_min_max(mx.array(keys))
+    per_head = np.array(quest_scores(mx.array(q), kmin, kmax)).astype(np.float64)
+    shared = np.array(shared_scores(mx.array(per_head.astype(np.float32)))).astype(np.float64)
+    np.testing.assert_allclose(
+        shared, np.broadcast_to(per_head.sum(0), shared.shape), rtol=1e-5, atol=1e-4
+    )
+    dots = np.einsum("hgd,hnpd->hnp", q.reshape(hkv, group, d), keys).astype(np.float64)
+    best = dots.max(axis=2).sum(axis=0)  # [n_pages]
+    assert (shared >= best - 1e-4 * (1 + np.abs(shared))).all()
 
 
 @settings(max_examples=60, deadline=None)
