@@ -60,8 +60,9 @@ def test_speculative_options_are_draft_options(tmp_path):
 
     model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path)))
     session = model.session(cache=False)
-    with pytest.warns(DeprecationWarning, match="use 'draft'"):
+    with pytest.warns(DeprecationWarning, match="use 'draft") as caught:
         req = session.request("hi", speculative="ngram", speculative_tokens=3)
+    assert {str(w.message).split("use ")[1] for w in caught} == {"'draft'", "'draft_tokens'"}
     assert (req.draft.mode, req.draft.tokens) == ("ngram", 3)
     with pytest.warns(DeprecationWarning, match="use 'draft'"):
         assert session.request("hi", speculative=False).draft is None  # the old off switch
