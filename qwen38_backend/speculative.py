@@ -4,7 +4,8 @@ in one forward, keep the longest prefix the model agrees with plus the token aft
 A round at position p feeds [last, d_1..d_k] (k+1 rows) and decides its tokens row by row
 with the same Sampler a plain step uses: row i gives the token plain decoding would give at
 p+i (on the CPU a row of a matmul is computed the same with 1 or k+1 rows: tested bit for bit,
-dense, paged, Gated DeltaNet, QSA). d_{i+1} is accepted while it equals that token; the first
+dense, paged, Gated DeltaNet, QSA; on CUDA a row can differ with the row count, which this
+module does not yet handle). d_{i+1} is accepted while it equals that token; the first
 disagreeing row's token ends the round (the bonus when all agree). Under sampling the
 Sampler's key chain advances once per decided token, exactly as in plain decoding, so a
 seeded stream is the plain stream token for token, and its distribution is the model's: for a
@@ -23,8 +24,8 @@ the verify as a single step would, so it needs no gate (tested past its dense th
 
 Throttle: a round costs more than a plain step (measured, demo model on this 2-core CPU with
 OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 (T - 1)
-steps for T >= 2). Each round's gain is its tokens minus its cost in steps (plus the re-feed
-after a rejection on recurrent models and 0.1 step per MTP draft token); when the last 4
+steps for T >= 2). Each round's gain is its tokens minus its cost in steps (and minus the
+re-feed after a rejection on recurrent models, and 0.1 step per MTP draft token); when the last 4
 rounds together gained nothing, drafting pauses for 16 tokens, then 32, 64, ... so a stream
 where drafts keep failing ends up decoding plainly at a bounded loss. n-gram drafts are
 throttled apart by match length: in prose one-token matches keep failing while a copied span
