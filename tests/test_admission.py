@@ -169,18 +169,20 @@ def test_bounded_pool_plan_matches_the_run(dense, tmp_path):
 
 def test_auto_pool_from_available_memory_less_the_weights(dense):
     config = json.loads((FIXTURES / "dense" / "qwen3" / "config.json").read_text())
-    from qwen38_backend.kv.policy import AUTO_HEADROOM_MIN
+    from qwen38_backend.kv.policy import AUTO_HEADROOM_MIN, KV_DEFAULTS
+
+    P = KV_DEFAULTS["kv_page_tokens"]
 
     available = 2 * AUTO_HEADROOM_MIN
     loaded = memory_plan(dense, 10**6, kv_paged="on", available=available, dtype="float32")
     # Weights loaded: 1 GiB left after the headroom, over 1 KiB per token: 1,048,576 tokens.
-    assert loaded.pool_pages * 32 == AUTO_HEADROOM_MIN // PER_TOKEN
+    assert loaded.pool_pages * P == AUTO_HEADROOM_MIN // PER_TOKEN
     assert loaded.disk == 0  # a million tokens fit that pool
     # From a config (weights not loaded yet): their bytes come off what is available first.
     cold = memory_plan(config, 10**7, kv_paged="on", available=available, dtype="float32")
     tokens = (available - cold.weights - AUTO_HEADROOM_MIN) // PER_TOKEN
-    assert cold.pool_pages == -(-tokens // 32) < loaded.pool_pages
-    assert cold.disk == (10**7 // 32) * 32 * PER_TOKEN
+    assert cold.pool_pages == -(-tokens // P) < loaded.pool_pages
+    assert cold.disk == (10**7 // P) * P * PER_TOKEN
 
 
 def test_disk_and_selection_refusals(dense):
