@@ -12,9 +12,11 @@ seeded stream is the plain stream token for token, and its distribution is the m
 draft that is a function of the context this is speculative rejection sampling in its
 maximal-coupling form (accept d with probability p(d), else a token from p without d).
 
-Rollback: attention KV truncates; recurrent layers (Gated DeltaNet, PLE) return to a save
-point taken before the verify and the accepted tokens are fed again; the MTP head drops the
-entries it computed from its own chained drafts (drafts.MTPTrack).
+Rollback: attention KV truncates; Gated DeltaNet layers return to a save point taken before
+the verify and replay their own recurrence over the kept rows of the inputs they recorded in
+the verify (SequenceState.rollback: no second forward of the model); where another recurrent
+state is present (Flash-Next's PLE) the kept tokens are fed again instead. The MTP head drops
+the entries it computed from its own chained drafts (drafts.MTPTrack).
 
 Exactness gate: a paged store under Quest (kv_topk) selects pages for a single decode step
 but a multi-row verify attends densely, so a round runs only while every decode step through
@@ -24,8 +26,8 @@ the verify as a single step would, so it needs no gate (tested past its dense th
 
 Throttle: a round costs more than a plain step (measured, demo model on this 2-core CPU with
 OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 (T - 1)
-steps for T >= 2). Each round's gain is its tokens minus its cost in steps (and minus the
-re-feed after a rejection on recurrent models, and 0.1 step per MTP draft token); when the last 4
+steps for T >= 2). Each round's gain is its tokens minus its cost in steps (and minus a
+re-feed after a rejection where one is needed, and 0.1 step per MTP draft token); when the last 4
 rounds together gained nothing, drafting pauses for 16 tokens, then 32, 64, ... so a stream
 where drafts keep failing ends up decoding plainly at a bounded loss. n-gram drafts are
 throttled apart by match length: in prose one-token matches keep failing while a copied span
@@ -237,6 +239,7 @@ def decode(
         track.sync(state.offset)
     history: list[int] = []
     throttles: dict[int, Throttle] = {}  # by n-gram match length (MTP: 0)
+    replays = _can_replay(state)
     n = 0
     gate = True  # closes for good: a store that selects at some length selects beyond it
     # `pending`: tokens decided but not yet yielded; all but the last are already in `state`
@@ -277,7 +280,7 @@ def decode(
             gain = len(pending) - verify_cost(len(draft) + 1)
             if track is not None:
                 gain -= MTP_STEP_COST * len(draft)
-            if len(pending) <= len(draft) and not state.can_truncate:
+            if len(pending) <= len(draft) and not state.can_truncate and not replays:
                 gain -= verify_cost(len(pending))  # the re-feed
             throttles[kind].record(n, gain)
             limit = options.tokens if len(pending) > 1 else 1
@@ -309,10 +312,11 @@ def _round(
     stats.drafted += len(draft)
     base = state.offset
     recurrent = not state.can_truncate
-    own_point = False
+    own_point = replayable = False
     if recurrent:
         own_point = base not in state.save_points  # never drop the session's own points
         state.save_point()
+        replayable = _record(state, True)
     feats = model.forward_features([last, *draft], state)
     logits = model.net.logits_from_features(feats)
     mx.eval(logits)
@@ -327,16 +331,46 @@ def _round(
     accepted = len(decided) - 1
     stats.accepted += accepted
     if accepted < len(draft):
-        if recurrent:
-            # recurrent states cannot be cut: back to the save point, then feed the accepted
-            # tokens again
+        if replayable:
+            # Gated DeltaNet layers back to the save point, then their own recurrence over the
+            # kept rows of their recorded inputs (what a re-feed would compute, minus the rest)
+            rows = 1 + accepted
+            state.rollback(base, base + rows, lambda layer: _replay(layer, rows))
+        elif recurrent:
+            # other recurrent states (PLE): back to the save point, feed the kept tokens again
             state.truncate(base)
             stats.forwards += 1
             model.forward([last, *draft[:accepted]], state, last_only=True)
         else:
             state.truncate(base + 1 + accepted)
+    if recurrent:
+        _record(state, False)
     if own_point:
         state._save_points.pop(base, None)
     if track is not None:
         track.settle(keep, feats, [last, *draft[:accepted]])
     return decided
+
+
+def _can_replay(state: SequenceState) -> bool:
+    """Every recurrent layer can replay its recorded rows (Gated DeltaNet; not PLE)."""
+    return all(hasattr(layer, "record") for layer in state.layers if not layer.can_truncate)
+
+
+def _record(state: SequenceState, on: bool) -> bool:
+    """Switch input recording of the recurrent layers (Gated DeltaNet states); False (and
+    nothing switched) when some recurrent layer cannot replay."""
+    if not _can_replay(state):
+        return False
+    for layer in state.layers:
+        if layer.can_truncate:
+            continue
+        layer.record = on
+        if not on:
+            layer.recorded = None
+    return True
+
+
+def _replay(layer: Any, rows: int) -> None:
+    module, x = layer.recorded
+    module(x[:rows], layer)

@@ -7,6 +7,7 @@ whose layers disagree about how many tokens they hold.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -196,6 +197,22 @@ class SequenceState:
     def rewind(self, n: int) -> None:
         """Drop the last n tokens (recurrent layers need a save point at the target)."""
         self.truncate(self.offset - n)
+
+    def rollback(self, base: int, keep: int, replay: Callable[[LayerState], None]) -> None:
+        """Keep the first `keep` tokens after a multi-token forward from `base` (a speculative
+        verify): truncatable layers cut to `keep`; the others return to the save point at
+        `base` and `replay(layer)` brings them to `keep` (without running the whole model)."""
+        self._resolve()
+        point = self._save_points[base]
+        for i, layer in enumerate(self.layers):
+            if layer.can_truncate:
+                layer.truncate(keep)
+            else:
+                layer.restore(point[i])  # type: ignore[index]
+                replay(layer)
+        del self._tokens[keep:]
+        for offset in [o for o in self._save_points if o > keep]:
+            del self._save_points[offset]
 
     def truncate(self, length: int) -> None:
         self._resolve()

@@ -209,6 +209,33 @@ def test_eos_inside_an_accepted_draft_ends_the_stream(request, monkeypatch, whic
     assert state.tokens == prompt + plain[:-1]
 
 
+def test_hybrid_rollback_replays_gdn_to_the_plain_state_bit_for_bit(hybrid, oracle, monkeypatch):
+    """A rejected verify on qwen3_5 replays only the Gated DeltaNet layers' own recurrence over
+    the kept rows: the state after decoding is the plain single-step state, every array bit
+    for bit, with fewer forwards than feeding the kept tokens again."""
+    prompt = np.random.default_rng(8).integers(3, 200, 9).tolist()
+    plain, _ = run(hybrid, prompt, 32, stop_token_ids=[], draft="off")
+    params = SamplingParams(max_tokens=32, stop_token_ids=[])
+    forwards = {}
+    for replay in (True, False):
+        monkeypatch.setattr(speculative, "_can_replay", lambda state, on=replay: on)
+        oracle(prompt, plain)
+        state = hybrid.new_state()
+        stream = hybrid.run(prompt, state, params, DraftOptions("ngram", 4))
+        assert list(stream) == plain and 0 < stream.stats.accepted < stream.stats.drafted
+        forwards[replay] = stream.stats.forwards
+        ref = hybrid.new_state()
+        hybrid.prefill(prompt, ref)
+        for token in plain[:-1]:
+            hybrid.forward([token], ref, last_only=True)
+        assert state.tokens == ref.tokens
+        for got, want in zip(state.snapshot().layers, ref.snapshot().layers, strict=True):
+            assert got.keys() == want.keys()
+            for name in want:
+                assert np.array_equal(np.array(got[name]), np.array(want[name])), name
+    assert forwards[True] < forwards[False]
+
+
 def test_hybrid_drops_only_its_own_save_points(hybrid, oracle):
     session = hybrid.session(cache=False)
     prompt = np.random.default_rng(3).integers(3, 200, 9).tolist()

@@ -40,6 +40,10 @@ class GatedDeltaNetState:
         self.conv: mx.array | None = None
         self.recurrent: mx.array | None = None
         self.length = 0
+        # speculative.py: while `record` is set, the layer keeps its last input rows, so a
+        # rejected verify replays only this layer instead of the whole model
+        self.record = False
+        self.recorded: tuple[GatedDeltaNet, mx.array] | None = None
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.conv, self.recurrent) if a is not None)
@@ -154,6 +158,8 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
         """x [T, hidden] (already normed) -> [T, hidden]; advances `state`."""
         T = x.shape[0]
+        if state.record:  # a speculative verify: a rollback replays the kept rows from here
+            state.recorded = (self, x)
         if T <= self.recurrent_max_tokens:
             return self._recurrent_call(x, state)
         Hk, Hv, Dk, Dv = self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim
