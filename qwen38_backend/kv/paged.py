@@ -358,8 +358,13 @@ class PagedKV:
 
     def selection_size(self) -> tuple[int, int]:
         """(pages in the context, pages a decode step would select)."""
-        n_pages = len(self.table)
-        if self.length < self.sparse_from or not self.quest:
+        return self.selection_at(self.length)
+
+    def selection_at(self, length: int) -> tuple[int, int]:
+        """selection_size() of a decode step at a context of `length` tokens (speculative
+        decoding asks ahead, dense_through)."""
+        n_pages = len(self.table) if length == self.length else -(-length // self.page_tokens)
+        if length < self.sparse_from or not self.quest:
             return n_pages, n_pages
         _, n_forced = forced_pages(n_pages, self.sink_pages, self.recent_pages)
         return n_pages, min(n_pages, max(self.budget_pages, n_forced))
@@ -435,14 +440,8 @@ class PagedKV:
         (speculative.py's gate)."""
         if self.always_select:
             return False
-        for n in range(self.length + 1, length + 1):
-            if n < self.sparse_from:
-                continue
-            n_pages = -(-n // self.page_tokens)
-            _, n_forced = forced_pages(n_pages, self.sink_pages, self.recent_pages)
-            if max(self.budget_pages, n_forced) < n_pages:
-                return False
-        return True
+        sizes = (self.selection_at(n) for n in range(self.length + 1, length + 1))
+        return all(n_sel >= n_pages for n_pages, n_sel in sizes)
 
     def select(self, q: mx.array, n_sel: int) -> mx.array:
         """Selected logical pages per KV head, int32 [Hkv, n_sel] ascending. q: [Hq, D]."""
