@@ -40,7 +40,7 @@ def spill_ios(state) -> list:
     ios = {}
     for layer in attention_layers(state):
         region = layer.table.spill
-        if region is not None:
+        if region is not None and region.io.fd >= 0:  # a file was created (pages spilled)
             ios[id(region.io)] = region.io
     return list(ios.values())
 
@@ -87,6 +87,7 @@ def main() -> None:
         "--pool-tokens", type=int, default=None, help="kv_pool_tokens: cap the pool (spills)"
     )
     ap.add_argument("--spill-dir", default=None, help="kv_spill_dir")
+    ap.add_argument("--page-tokens", type=int, default=None, help="kv_page_tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
@@ -109,6 +110,8 @@ def main() -> None:
         "lengths": {},
     }
     kv = {"kv_paged": "on", "kv_topk": args.budget}
+    if args.page_tokens:
+        kv["kv_page_tokens"] = args.page_tokens
     if args.pool_tokens:
         kv.update(kv_pool_tokens=args.pool_tokens, kv_spill_dir=args.spill_dir)
     result["kv_options"] = kv
