@@ -12,10 +12,10 @@ seeded stream is the plain stream token for token, and its distribution is the m
 draft that is a function of the context this is speculative rejection sampling in its
 maximal-coupling form (accept d with probability p(d), else a token from p without d).
 
-Rollback: attention KV truncates; Gated DeltaNet layers return to a save point taken before
-the verify and replay their own recurrence over the kept rows of the inputs they recorded in
-the verify (SequenceState.rollback: no second forward of the model); where another recurrent
-state is present (Flash-Next's PLE) the kept tokens are fed again instead. The MTP head drops
+Rollback: attention KV and QSA indexer keys truncate; recurrent layers (Gated DeltaNet conv
+and recurrent state, Flash-Next's PLE) return to a save point taken before the verify and
+replay their own update over the kept rows of the inputs they recorded in the verify
+(state.Replayable, SequenceState.rollback: no second forward of the model). The MTP head drops
 the entries it computed from its own chained drafts (drafts.MTPTrack).
 
 Exactness gate: a paged store under Quest (kv_topk) selects pages for a single decode step
@@ -332,12 +332,12 @@ def _round(
     stats.accepted += accepted
     if accepted < len(draft):
         if replayable:
-            # Gated DeltaNet layers back to the save point, then their own recurrence over the
-            # kept rows of their recorded inputs (what a re-feed would compute, minus the rest)
+            # recurrent layers back to the save point, then their own update over the kept
+            # rows of their recorded inputs (what a re-feed would compute, minus the rest)
             rows = 1 + accepted
-            state.rollback(base, base + rows, lambda layer: _replay(layer, rows))
+            state.rollback(base, base + rows, lambda layer: layer.replay(rows))
         elif recurrent:
-            # other recurrent states (PLE): back to the save point, feed the kept tokens again
+            # a recurrent state that cannot replay: back to the save point, feed again
             state.truncate(base)
             stats.forwards += 1
             model.forward([last, *draft[:accepted]], state, last_only=True)
@@ -353,24 +353,16 @@ def _round(
 
 
 def _can_replay(state: SequenceState) -> bool:
-    """Every recurrent layer can replay its recorded rows (Gated DeltaNet; not PLE)."""
-    return all(hasattr(layer, "record") for layer in state.layers if not layer.can_truncate)
+    """Every recurrent layer state can replay its recorded rows (state.Replayable)."""
+    return all(hasattr(layer, "replay") for layer in state.layers if not layer.can_truncate)
 
 
 def _record(state: SequenceState, on: bool) -> bool:
-    """Switch input recording of the recurrent layers (Gated DeltaNet states); False (and
-    nothing switched) when some recurrent layer cannot replay."""
+    """Switch row recording of the recurrent layers; False (and nothing switched) when some
+    recurrent layer cannot replay."""
     if not _can_replay(state):
         return False
     for layer in state.layers:
-        if layer.can_truncate:
-            continue
-        layer.record = on
-        if not on:
-            layer.recorded = None
+        if not layer.can_truncate:
+            layer.set_record(on)
     return True
-
-
-def _replay(layer: Any, rows: int) -> None:
-    module, x = layer.recorded
-    module(x[:rows], layer)

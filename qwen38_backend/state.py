@@ -49,6 +49,30 @@ def state_kind(layer: object) -> str:
     return f"{kind}({','.join(inner)})" if inner else kind
 
 
+class Replayable:
+    """A recurrent layer state that keeps the input rows of its layer's last call while
+    recording (a speculative verify), so that after a restore `replay(n)` runs the layer's
+    own update over the first n of them (SequenceState.rollback) instead of the whole model.
+    The layer calls `state.keep(layer, *rows)` first thing in its call."""
+
+    recording = False
+    _kept: tuple | None = None
+
+    def set_record(self, on: bool) -> None:
+        self.recording = on
+        if not on:
+            self._kept = None
+
+    def keep(self, call: Callable[..., Any], *rows: Any) -> None:
+        if self.recording:
+            self._kept = (call, rows)
+
+    def replay(self, n: int) -> None:
+        assert self._kept is not None, "nothing recorded to replay"
+        call, rows = self._kept
+        call(*(r[:n] for r in rows), self)
+
+
 @dataclass
 class StateSnapshot:
     """A consistent copy of a SequenceState at one position."""

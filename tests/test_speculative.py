@@ -209,10 +209,14 @@ def test_eos_inside_an_accepted_draft_ends_the_stream(request, monkeypatch, whic
     assert state.tokens == prompt + plain[:-1]
 
 
-def test_hybrid_rollback_replays_gdn_to_the_plain_state_bit_for_bit(hybrid, oracle, monkeypatch):
-    """A rejected verify on qwen3_5 replays only the Gated DeltaNet layers' own recurrence over
-    the kept rows: the state after decoding is the plain single-step state, every array bit
-    for bit, with fewer forwards than feeding the kept tokens again."""
+@pytest.mark.parametrize("which", ["hybrid", "flash"])
+def test_rollback_replays_recurrent_layers_to_the_plain_state_bit_for_bit(
+    request, oracle, monkeypatch, which
+):
+    """A rejected verify replays only the recurrent layers' own update over the kept rows
+    (Gated DeltaNet; Flash-Next's PLE too): the state after decoding is the plain single-step
+    state, every array bit for bit, with fewer forwards than feeding the kept tokens again."""
+    hybrid = request.getfixturevalue(which)
     prompt = np.random.default_rng(8).integers(3, 200, 9).tolist()
     plain, _ = run(hybrid, prompt, 32, stop_token_ids=[], draft="off")
     params = SamplingParams(max_tokens=32, stop_token_ids=[])

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
-from ..state import RewindError
+from ..state import Replayable, RewindError
 from .gated_delta import CoreSpec, chunked_gated_delta, decode_core, gdn_core, prepare_qk
 from .gated_delta import recurrent_gated_delta as recurrent_gated_delta
 from .layers import can_fuse, fuse_linears, split_outputs
@@ -26,7 +26,7 @@ _gdn_core = gdn_core
 
 
 # ----- state ------------------------------------------------------------------------------
-class GatedDeltaNetState:
+class GatedDeltaNetState(Replayable):
     """Per-sequence state of one Gated DeltaNet layer.
 
     conv: the last (kernel - 1) inputs of the causal conv, [kernel-1, conv_dim] (model dtype).
@@ -40,10 +40,6 @@ class GatedDeltaNetState:
         self.conv: mx.array | None = None
         self.recurrent: mx.array | None = None
         self.length = 0
-        # speculative.py: while `record` is set, the layer keeps its last input rows, so a
-        # rejected verify replays only this layer instead of the whole model
-        self.record = False
-        self.recorded: tuple[GatedDeltaNet, mx.array] | None = None
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.conv, self.recurrent) if a is not None)
@@ -158,8 +154,7 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
         """x [T, hidden] (already normed) -> [T, hidden]; advances `state`."""
         T = x.shape[0]
-        if state.record:  # a speculative verify: a rollback replays the kept rows from here
-            state.recorded = (self, x)
+        state.keep(self, x)  # a speculative verify's rows, for a rollback's replay
         if T <= self.recurrent_max_tokens:
             return self._recurrent_call(x, state)
         Hk, Hv, Dk, Dv = self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import WeightsError
-from ..state import RewindError
+from ..state import Replayable, RewindError
 from .hyper_connections import GroupedRMSNorm
 
 _MASK64 = (1 << 64) - 1
@@ -180,7 +180,7 @@ class NgramTable:
 
 
 # ----- state and layer ---------------------------------------------------------------------------
-class PLEState:
+class PLEState(Replayable):
     """Last (kernel-1)*dilation conv rows and last ngram_size-1 ids; not truncatable."""
 
     can_truncate = False
@@ -316,6 +316,7 @@ class PLELayer(nn.Module):
         )
 
     def __call__(self, R: mx.array, ids: mx.array, state: PLEState) -> mx.array:
+        state.keep(self, R, ids)  # a speculative verify's rows, for a rollback's replay
         T = R.shape[0]
         new = np.array(ids, dtype=np.int64).reshape(-1)
         history = np.concatenate([state.ctx, new])

@@ -75,6 +75,14 @@ class PLEMixerState:
         self.mixer.truncate(length)
         self.ple.truncate(length)
 
+    def set_record(self, on: bool) -> None:  # the Replayable protocol, for both parts
+        self.mixer.set_record(on)
+        self.ple.set_record(on)
+
+    def replay(self, n: int) -> None:
+        self.ple.replay(n)
+        self.mixer.replay(n)
+
 
 # ----- the model -------------------------------------------------------------------------------
 def _rope(cfg: Qwen4ExpConfig) -> RopeSpec:
