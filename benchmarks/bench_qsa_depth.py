@@ -46,6 +46,7 @@ Flags:
   --pool-tokens N        kv_pool_tokens (bounded pool, spills to --spill-dir)
   --peer-max N           largest depth at which the masked peer runs (default 8192)
   --seed N               weights seed; --out FILE: write the JSON there too
+  --op-by-op             decode with the block steps built op by op (the compiled steps off)
 """
 
 from __future__ import annotations
@@ -302,6 +303,9 @@ def main() -> None:
     ap.add_argument("--spill-dir", default=None)
     ap.add_argument("--peer-max", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--op-by-op", action="store_true", help="decode without the compiled block steps"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.layers < 4 or args.layers % 4:
@@ -312,6 +316,10 @@ def main() -> None:
 
     import mlx.core as mx
 
+    if args.op_by_op:
+        from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
+
+        Qwen4ExpBlock.compile_decode = False
     dtype = args.dtype or ("float32" if mx.default_device() == mx.cpu else "bfloat16")
     config = flash_config(args.dims, args.layers, args.experts, args.ngram_base)
     t = time.perf_counter()
@@ -328,6 +336,7 @@ def main() -> None:
         "layers": args.layers,
         "experts": config["text_config"]["num_experts"],
         "dtype": dtype,
+        "compiled_decode": not args.op_by_op,
         "weights_bytes": weights_bytes,
         "build_seconds": time.perf_counter() - t,
         "kv_options": kv,

@@ -68,3 +68,20 @@ def test_compiled_step_sees_replaced_weights(tmp_path, op_by_op):
     assert np.abs(after - before).max() > 1e-3  # the change reached the compiled step
     op_by_op()
     np.testing.assert_allclose(after, decode_logits(net, ids, 4), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_next_compiled_step_equals_op_by_op(tmp_path, monkeypatch, paged):
+    """Flash-Next's compiled Gated DeltaNet and MoE steps (past QSA's dense threshold, so the
+    QSA layers select) give the op-by-op step's logits bit for bit on this CPU."""
+    import qwen38_backend
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
+    from qwen38_backend.testing import make_tiny_weights
+
+    net = qwen38_backend.load(str(make_tiny_weights("qwen4_exp", tmp_path / "f", seed=3))).net
+    budget = net.model.layers[3].self_attn.n_blocks * net.model.layers[3].self_attn.ratio
+    ids = prompt(budget + 40, net.config.vocab_size, seed=3)
+    factory = (lambda: PagedKV(page_tokens=8)) if paged else ContiguousKV
+    compiled = decode_logits(net, ids, 12, factory)
+    monkeypatch.setattr(Qwen4ExpBlock, "compile_decode", False)
+    np.testing.assert_array_equal(compiled, decode_logits(net, ids, 12, factory))

@@ -374,8 +374,9 @@ class QSAAttention(Attention):
         )
         G = group_queries(T, per_query)
         limit = getattr(st.kv, "gather_limit", None)
-        if limit is not None:  # a bounded pool pins one group's pages at once
-            G = max(1, min(G, limit() // (self.n_blocks + 1)))
+        pages = limit() if limit is not None else None
+        if pages is not None:  # a bounded pool pins one group's pages at once
+            G = max(1, min(G, pages // (self.n_blocks + 1)))
         hkv = self.n_kv_heads
         rep = self.n_heads // hkv
         outs = []

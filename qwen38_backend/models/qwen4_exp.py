@@ -24,7 +24,7 @@ from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
 from .hyper_connections import GatedResidual
-from .layers import RMSNorm, RopeSpec
+from .layers import RMSNorm, RopeSpec, compiled
 from .moe import SparseMoE, fuse_expert_weights
 from .ple import NgramTable, PLELayer, PLEState
 from .qsa import QSAAttention, QSAState
@@ -153,15 +153,47 @@ class Qwen4ExpBlock(nn.Module):
             return PLEMixerState(GatedDeltaNetState(), self.ple.make_state())
         return GatedDeltaNetState()
 
+    # False: decode builds the step op by op like prefill (tests compare the two)
+    compile_decode = True
+
     def __call__(self, R: mx.array, ids: mx.array | None, st, offset: int) -> mx.array:
+        decode = R.shape[0] == 1 and self.compile_decode
         if self.has_ple:
             R = R + self.ple(R, ids, st.ple)
             st = st.mixer
-        if self.is_linear:
+        if self.is_linear and decode:
+            R = self.decode_linear(R, st)
+        elif self.is_linear:
             R = self.attn_hyper_connection(R, lambda x: self.linear_attn(x, st))
         else:
             R = self.attn_hyper_connection(R, lambda x: self.self_attn(x, st, offset))
+        if decode:
+            # one token's router, experts, shared expert and both stream mixes: one graph
+            # replay instead of ~60 ops encoded from Python per layer
+            return compiled(self, "_mlp_step")(R)
         return self.mlp_hyper_connection(R, self.mlp)
+
+    def _mlp_step(self, R: mx.array) -> mx.array:
+        return self.mlp_hyper_connection(R, self.mlp)
+
+    def decode_linear(self, R: mx.array, state: GatedDeltaNetState) -> mx.array:
+        """One token through the Gated DeltaNet mixer and its stream mix, compiled."""
+        conv, recurrent = self.linear_attn.initial_state(state, R.dtype)
+        self.linear_attn.prepare_decode(R.dtype)
+        R, state.conv, state.recurrent = compiled(self, "_linear_step")(R, conv, recurrent)
+        state.length += 1
+        return R
+
+    def _linear_step(self, R: mx.array, conv: mx.array, recurrent: mx.array):
+        new: list[mx.array] = []
+
+        def mixer(x: mx.array) -> mx.array:
+            out, c, r = self.linear_attn.step(x, conv, recurrent)
+            new.extend((c, r))
+            return out
+
+        R = self.attn_hyper_connection(R, mixer)
+        return R, new[0], new[1]
 
 
 class Qwen4ExpBody(nn.Module):
