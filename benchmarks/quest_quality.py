@@ -1,7 +1,8 @@
 """Quest quality: teacher-forced sparse decode against dense, at budget-to-context ratios.
 
     python benchmarks/quest_quality.py --model qwen38-demo --budgets 2048,1024,512,256 \
-        --variants old,new --out benchmarks/results/cpu/quest_quality_demo.json
+        --variants old,new,page16_shared --full-check \
+        --out benchmarks/results/cpu/quest_quality_demo.json
 
 Each text (quest_reference.py: real English from installed packages) is prefilled densely
 once, and cached with a dense teacher-forced decode of the next `--steps` tokens and a dense
@@ -34,8 +35,10 @@ from qwen38_backend.state import StateSnapshot
 VARIANTS = {
     # Before issue 18: 32-token pages, each KV head selecting its own pages.
     "old": {"page_tokens": 32, "sinks": 32, "recent": 64, "shared": False},
-    # The default since: 16-token pages, one selection shared by the KV heads.
-    "new": {"page_tokens": 16, "sinks": 32, "recent": 64, "shared": True},
+    # The default since: 32-token pages, one selection shared by the KV heads (same bytes).
+    "new": {"page_tokens": 32, "sinks": 32, "recent": 64, "shared": True},
+    # 16-token pages, shared: more recall per K/V byte, 2x the metadata (kv_page_tokens=16).
+    "page16_shared": {"page_tokens": 16, "sinks": 32, "recent": 64, "shared": True},
     "page16": {"page_tokens": 16, "sinks": 32, "recent": 64, "shared": False},
 }
 

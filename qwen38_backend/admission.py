@@ -237,7 +237,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     config_or_model: an HF config dict, an engine Model, or a built network.
     Options: dtype (state/activation dtype), weights_dtype, kv_dtype, prefill_chunk (512),
     prompt_tokens (how many of the context are prefilled; default all), kv_paged,
-    kv_page_tokens (16), kv_pool_tokens (resident KV rows; the rest spills to disk),
+    kv_page_tokens (32), kv_pool_tokens (resident KV rows; the rest spills to disk),
     mtp (default: on when the config has an MTP head), fused_attention (default: on GPU),
     ranks (the model split over that many mx.distributed ranks: the plan is one rank's, with
     its share of the weights, KV heads and Gated DeltaNet heads; default: a loaded Model's

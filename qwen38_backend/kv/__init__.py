@@ -7,10 +7,11 @@ store; models call it once per attention layer in `make_state`. Every store impl
 Options (wherever sampling options are accepted; validated and decided by policy.choose_kv):
 - kv_paged: "off" (contiguous store), "on" (paged, Quest whenever the budget does not cover
   the context), "auto" (paged, Quest from 4x the budget on). Unset: "off", or "on" when any
-  other kv_ option is given.
+  other kv_ option is given. "auto" is not the default: already at 4x sparse decode changes
+  some top-1 tokens against dense (README, "Sparse decode quality").
 - kv_topk: token budget of the pages a decode step reads (sinks and recent window included),
   rounded up to whole pages; a budget >= the context means dense.
-- kv_page_tokens: tokens per page (16). kv_sinks: leading tokens always selected. kv_recent:
+- kv_page_tokens: tokens per page (32). kv_sinks: leading tokens always selected. kv_recent:
   tokens before the open page always selected (both rounded up to whole pages). The top-k
   pages are chosen once per step for all KV heads (quest.shared_scores).
 - kv_pool_tokens: resident rows per attention layer (the page pool's fixed capacity), or

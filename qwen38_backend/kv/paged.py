@@ -63,7 +63,7 @@ class PagedKV:
 
     def __init__(
         self,
-        page_tokens: int = 16,
+        page_tokens: int = 32,
         budget: int = 2048,
         sinks: int = 32,
         recent: int = 64,

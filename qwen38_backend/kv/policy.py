@@ -24,9 +24,10 @@ KV_OPTION_KEYS = frozenset(
         "kv_spill_dir",
     }
 )
-# 16-token pages (32 before issue 18): more of the attention mass is selected at the same
-# token budget (benchmarks/results/cpu/quest_quality_demo.json); metadata is 2x per token.
-KV_DEFAULTS = {"kv_topk": 2048, "kv_page_tokens": 16, "kv_sinks": 32, "kv_recent": 64}
+# 32-token pages: 16 select more of the attention mass per K/V byte but scan and keep 2x the
+# metadata; at equal K/V + metadata bytes 32 does as well or better (README, "Sparse decode
+# quality"; benchmarks/results/cpu/quest_recall_demo.json).
+KV_DEFAULTS = {"kv_topk": 2048, "kv_page_tokens": 32, "kv_sinks": 32, "kv_recent": 64}
 _MINIMUM = {"kv_topk": 1, "kv_page_tokens": 1, "kv_sinks": 0, "kv_recent": 0, "kv_pool_tokens": 1}
 _MAX_PAGE_TOKENS = 4096
 
