@@ -4,12 +4,12 @@ in one forward, keep the longest prefix the model agrees with plus the token aft
 A round at position p feeds [last, d_1..d_k] (k+1 rows) and decides its tokens row by row
 with the same Sampler a plain step uses: row i gives the token plain decoding would give at
 p+i (on the CPU a row of a matmul is computed the same with 1 or k+1 rows: tested bit for bit,
-dense, paged, Gated DeltaNet, QSA; on CUDA a row can differ with the row count, which this
-module does not yet handle). d_{i+1} is accepted while it equals that token; the first
-disagreeing row's token ends the round (the bonus when all agree). Under sampling the
-Sampler's key chain advances once per decided token, exactly as in plain decoding, so a
-seeded stream is the plain stream token for token, and its distribution is the model's: for a
-draft that is a function of the context this is speculative rejection sampling in its
+dense, paged, Gated DeltaNet, QSA; on a GPU a row can differ with the row count, so
+`resolve` keeps drafting off there: rows_match_steps). d_{i+1} is accepted while it equals
+that token; the first disagreeing row's token ends the round (the bonus when all agree).
+Under sampling the Sampler's key chain advances once per decided token, exactly as in plain
+decoding, so a seeded stream is the plain stream token for token, and its distribution is the
+model's: for a draft that is a function of the context this is speculative rejection sampling in its
 maximal-coupling form (accept d with probability p(d), else a token from p without d).
 
 Rollback: attention KV and QSA indexer keys truncate; recurrent layers (Gated DeltaNet conv
