@@ -174,13 +174,15 @@ def test_auto_pool_from_available_memory_less_the_weights(dense):
     P = KV_DEFAULTS["kv_page_tokens"]
 
     available = 2 * AUTO_HEADROOM_MIN
-    loaded = memory_plan(dense, 10**6, kv_paged="on", available=available, dtype="float32")
-    # Weights loaded: 1 GiB left after the headroom, over 1 KiB per token: 1,048,576 tokens.
-    assert loaded.pool_pages * P == AUTO_HEADROOM_MIN // PER_TOKEN
-    assert loaded.disk == 0  # a million tokens fit that pool
+    loaded = memory_plan(dense, 500_000, kv_paged="on", available=available, dtype="float32")
+    # Weights loaded: 1 GiB left after the headroom, 3/5 of it for the pool (the rest for the
+    # buffer its last growth replaces), over 1 KiB per token.
+    tokens = AUTO_HEADROOM_MIN * 3 // 5 // PER_TOKEN
+    assert loaded.pool_pages == -(-tokens // P)
+    assert loaded.disk == 0  # half a million tokens fit that pool
     # From a config (weights not loaded yet): their bytes come off what is available first.
     cold = memory_plan(config, 10**7, kv_paged="on", available=available, dtype="float32")
-    tokens = (available - cold.weights - AUTO_HEADROOM_MIN) // PER_TOKEN
+    tokens = (available - cold.weights - AUTO_HEADROOM_MIN) * 3 // 5 // PER_TOKEN
     assert cold.pool_pages == -(-tokens // P) < loaded.pool_pages
     assert cold.disk == (10**7 // P) * P * PER_TOKEN
 
@@ -226,3 +228,15 @@ def test_info_shows_pool_spill_and_verdict(tmp_path):
     )
     assert "kv_spill" in bounded and "total disk" in bounded and "free disk" in bounded
     assert "pool kv_pool_tokens=4,096" in bounded
+
+
+@pytest.mark.parametrize("context", [3_000, 40_000, 700_000, 3_000_000])
+def test_auto_pool_and_its_last_growth_fit_what_it_was_given(dense, context):
+    """The auto pool plus the buffer its last growth replaces stay within the memory it was
+    sized from (less the headroom), at every context: admission never refuses its own pick."""
+    from qwen38_backend.kv.policy import AUTO_HEADROOM_MIN
+
+    for available in (2 * AUTO_HEADROOM_MIN, 5 * AUTO_HEADROOM_MIN // 2, 3 * AUTO_HEADROOM_MIN):
+        plan = memory_plan(dense, context, kv_paged="on", available=available, dtype="float32")
+        headroom = max(available // 4, AUTO_HEADROOM_MIN)
+        assert plan["kv"] + plan["kv_growth"] <= available - headroom

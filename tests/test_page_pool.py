@@ -87,6 +87,16 @@ def test_growth_within_the_bound():
     assert grown_capacity(128, 129, None) == 192  # x1.5
     assert grown_capacity(128, 129, 150) == 150
     assert grown_capacity(150, 151, 150) == 150
+    # a bounded pool reaching 2/3 of its bound goes there at once: the buffer replaced by its
+    # last growth stays under 2/3 of the bound
+    assert grown_capacity(64, 65, 190) == 190  # 128 >= 2/3 of 190
+    assert grown_capacity(64, 65, 200) == 128  # 128 < 2/3 of 200
+    cap, replaced = 0, 0
+    for need in range(1, 3001):
+        new = grown_capacity(cap, need, 3000)
+        if new > cap:
+            replaced, cap = cap, new
+    assert cap == 3000 and 3 * replaced < 2 * 3000
     assert grown_capacity(100, 50, 10) == 100  # never shrinks
 
 
@@ -140,8 +150,9 @@ def test_auto_pool_from_available_memory(monkeypatch):
         fill(s, 8)
     token_bytes = 3 * 2 * 2 * 4 * 4  # layers x (K,V) x heads x dim x fp32
     tokens = auto_pool_tokens(available, token_bytes)
-    # A quarter of 3 GiB is below the 1 GiB minimum headroom: 2 GiB for the pools.
-    assert tokens == 2 * AUTO_HEADROOM_MIN // token_bytes
+    # A quarter of 3 GiB is below the 1 GiB minimum headroom: 2 GiB left, 3/5 of it for the
+    # pools (the rest for the buffer a growth replaces)
+    assert tokens == 2 * AUTO_HEADROOM_MIN * 3 // 5 // token_bytes
     assert all(s.pool.max_pages == -(-tokens // 4) for s in stores)
     assert auto_pool_tokens(None, 10) is None
     assert auto_pool_tokens(10, 10) == 0  # less than the headroom: nothing to give

@@ -117,11 +117,13 @@ def choose_kv(**options) -> KVChoice:
 def auto_pool_tokens(available: int | None, token_bytes: int) -> int | None:
     """Resident KV rows per attention layer for an auto pool: the memory available when the
     sequence starts, less the headroom, over `token_bytes` (K+V of one token across every
-    attention layer of the sequence). None (unbounded) when availability is unknown."""
+    attention layer of the sequence), with room beside the pool for the buffer its last
+    growth replaces (under 2/3 of the pool: kv.pool.grown_capacity), so 3/5 of what is left
+    goes to the pool. None (unbounded) when availability is unknown."""
     if available is None or token_bytes <= 0:
         return None
     headroom = max(int(available * AUTO_HEADROOM_FRACTION), AUTO_HEADROOM_MIN)
-    return max(available - headroom, 0) // token_bytes
+    return max(available - headroom, 0) * 3 // 5 // token_bytes
 
 
 def spill_root() -> Path:

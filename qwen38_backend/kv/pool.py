@@ -42,12 +42,18 @@ class PageOwner(Protocol):
 
 def grown_capacity(capacity: int, need: int, max_pages: int | None) -> int:
     """The pool's capacity after making room for `need` slots in total (no change if it
-    holds them already): x1.5 growth, at least a block, never past `max_pages`. Admission
-    simulates the pool with this same function."""
+    holds them already): x1.5 growth, at least a block, never past `max_pages`; a bounded
+    pool that would reach two thirds of its bound goes to the bound at once, so the buffer
+    alive during its last growth is under two thirds of the bound (the auto pool's sizing
+    counts on that). Admission simulates the pool with this same function."""
     if need <= capacity:
         return capacity
     new = capacity + max(need - capacity, MIN_GROW_PAGES, capacity // 2)
-    return new if max_pages is None else max(capacity, min(new, max_pages))
+    if max_pages is None:
+        return new
+    if 3 * new >= 2 * max_pages:
+        new = max_pages
+    return max(capacity, min(new, max_pages))
 
 
 class PagePool:
