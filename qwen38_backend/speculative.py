@@ -317,6 +317,9 @@ def _round(
         own_point = base not in state.save_points  # never drop the session's own points
         state.save_point()
         replayable = _record(state, True)
+    # room for the round's rows first: appending them moves no live buffer (KV, indexer
+    # keys), so a rejected round only cuts back
+    state.reserve(len(draft) + 1)
     feats = model.forward_features([last, *draft], state)
     logits = model.net.logits_from_features(feats)
     mx.eval(logits)

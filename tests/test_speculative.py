@@ -128,6 +128,33 @@ def test_dense_ngram_equals_plain_and_accepts(dense, k):
     assert accepted > 0  # the verify path really ran and kept drafts
 
 
+@pytest.mark.parametrize("reserved", [True, False])
+def test_verify_rows_append_without_moving_live_buffers(dense, monkeypatch, reserved):
+    """A round makes room for its k+1 rows before the verify forward, so the verify's append
+    never reallocates a KV buffer (checked against the store's capacity at each append; with
+    the reservation switched off the same stream does reallocate, so the check can fail)."""
+    from qwen38_backend.kv.contiguous import ContiguousKV
+    from qwen38_backend.state import SequenceState
+
+    grew: list[int] = []
+    append = ContiguousKV.append
+    prompt = repetitive(3, period=7, repeats=60)  # 420 tokens: the buffer grows past 512
+
+    def watched(self, k, v):
+        verify = k.shape[2] > 1 and self.length >= len(prompt)  # not a prefill chunk
+        if verify and self.keys is not None:
+            if self.keys.shape[2] < self.length + k.shape[2]:
+                grew.append(self.length)
+        append(self, k, v)
+
+    monkeypatch.setattr(ContiguousKV, "append", watched)
+    if not reserved:
+        monkeypatch.setattr(SequenceState, "reserve", lambda self, n: None)
+    spec, stats = run(dense, prompt, 200, stop_token_ids=[], draft="ngram", draft_tokens=7)
+    assert stats.accepted > 0
+    assert (grew == []) is reserved
+
+
 def test_one_token_prompts(dense, hybrid, flash):
     for model, opts in ((dense, NGRAM), (hybrid, {"draft": "mtp"}), (flash, {"draft": "mtp"})):
         for token in (5, 77):
