@@ -16,7 +16,7 @@ import pytest
 from helpers import dense_fixture
 
 import qwen38_backend
-from qwen38_backend.admission import memory_plan
+from qwen38_backend.admission import RankShare, memory_plan
 from qwen38_backend.errors import ShardingError, StateFileError
 from qwen38_backend.state_files import read_state_file, save_state_file
 from qwen38_backend.testing import make_tiny_weights
@@ -89,35 +89,21 @@ def test_two_ranks_equal_one(arch, models, tmp_path):
         read_state_file(tmp_path / "rank0.state", whole)
 
 
-class _Ranks:
-    """A group stand-in for the divisibility checks, which only ask rank and size (they run
-    before any communication)."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def test_uneven_split_refused_by_name(models):
     net = qwen38_backend.load(str(models["qwen3_5"])).net
     # 2 Gated DeltaNet key heads (the first layer): 3 ranks cannot share them
     with pytest.raises(ShardingError, match=r"DeltaNet key heads \(2\) .* over 3 ranks"):
-        net.shard(_Ranks(0, 3))
+        net.shard(RankShare(0, 3))
     attention = net.model.layers[3].self_attn
     with pytest.raises(ShardingError, match=r"attention heads \(4\) .* over 3 ranks"):
-        attention.shard(_Ranks(0, 3))
+        attention.shard(RankShare(0, 3))
 
 
 def test_flash_next_experts_split_refused_by_name(models):
     net = qwen38_backend.load(str(models["qwen4_exp"])).net
     moe = net.model.layers[0].mlp
     with pytest.raises(ShardingError, match=r"experts \(8\) cannot be split evenly over 3"):
-        moe.shard(_Ranks(0, 3))
+        moe.shard(RankShare(0, 3))
 
 
 def test_state_file_of_whole_model_refused_by_a_rank(models, tmp_path):
