@@ -113,10 +113,36 @@ def random_model(dims: str, layers: int, dtype_name: str, group=None):
     return Model(net, read, dtype, name="27b-random", group=group), config, nbytes
 
 
-def worker_ours(args) -> dict:
+def prefill_then_decode(
+    model, ids: list[int], runs: int, decode: int, chunk: int | None = None
+) -> tuple[list[float], list[float]]:
+    """Per run: prefill `ids` into a fresh state (tok/s, synchronised), then decode `decode`
+    greedy tokens after it (tok/s). Returns (prefill rates, decode rates)."""
     import mlx.core as mx
 
     from qwen38_backend.sampling import SamplingParams
+
+    pre, dec = [], []
+    for _ in range(runs):
+        state = model.new_state()
+        mx.synchronize()
+        t = time.perf_counter()
+        logits = model.prefill(ids, state, chunk=chunk)
+        mx.eval(logits)
+        mx.synchronize()
+        pre.append(len(ids) / (time.perf_counter() - t))
+        first = int(mx.argmax(logits).item())
+        stream = model.run([first], state, SamplingParams(max_tokens=decode, stop_token_ids=[]))
+        for _ in stream:
+            pass
+        dec.append(stream.stats.decode_tokens_per_second)
+        del state
+        mx.clear_cache()
+    return pre, dec
+
+
+def worker_ours(args) -> dict:
+    import mlx.core as mx
 
     if args.op_by_op:
         from qwen38_backend.models.layers import PreNormBlock
@@ -130,25 +156,7 @@ def worker_ours(args) -> dict:
     del warm
     for length in args.lengths:
         ids = prompt(length, config["text_config"]["vocab_size"])
-        pre, dec = [], []
-        for _ in range(args.runs):
-            state = model.new_state()
-            mx.synchronize()
-            t = time.perf_counter()
-            logits = model.prefill(ids, state, chunk=args.chunk)
-            mx.eval(logits)
-            mx.synchronize()
-            pre.append(length / (time.perf_counter() - t))
-            stream = model.run(
-                [int(mx.argmax(logits).item())],
-                state,
-                SamplingParams(max_tokens=args.decode, stop_token_ids=[]),
-            )
-            for _ in stream:
-                pass
-            dec.append(stream.stats.decode_tokens_per_second)
-            del state
-            mx.clear_cache()
+        pre, dec = prefill_then_decode(model, ids, args.runs, args.decode, args.chunk)
         result["lengths"][str(length)] = {
             "prefill_tok_s": _median(pre),
             "decode_tok_s": _median(dec),

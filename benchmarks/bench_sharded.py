@@ -28,7 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench_gpu_27b import bytes_per_token, prompt, random_model  # noqa: E402
+from bench_gpu_27b import bytes_per_token, prefill_then_decode, prompt, random_model  # noqa: E402
+from common import write_json  # noqa: E402
 
 
 def median(values: list[float]) -> dict:
@@ -81,8 +82,6 @@ def all_reduce_seconds(group, hidden: int, dtype, repeats: int = 200) -> float:
 def speed(args, group) -> dict:
     import mlx.core as mx
 
-    from qwen38_backend.sampling import SamplingParams
-
     mx.reset_peak_memory()
     model, config, nbytes = random_model(args.dims, args.layers, args.dtype, group)
     vocab = config["text_config"]["vocab_size"]
@@ -93,25 +92,7 @@ def speed(args, group) -> dict:
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
     for length in args.lengths:
         ids = prompt(length, vocab)
-        pre, dec = [], []
-        for _ in range(args.runs):
-            state = model.new_state()
-            mx.synchronize()
-            t = time.perf_counter()
-            logits = model.prefill(ids, state)
-            mx.eval(logits)
-            mx.synchronize()
-            pre.append(length / (time.perf_counter() - t))
-            stream = model.run(
-                [int(mx.argmax(logits).item())],
-                state,
-                SamplingParams(max_tokens=args.decode, stop_token_ids=[]),
-            )
-            for _ in stream:
-                pass
-            dec.append(stream.stats.decode_tokens_per_second)
-            del state
-            mx.clear_cache()
+        pre, dec = prefill_then_decode(model, ids, args.runs, args.decode)
         per_token = bytes_per_token(config, nbytes, length + args.decode // 2, itemsize)
         rate = statistics.median(dec)
         bound = group.size() * args.bound_gbps * 1e9
@@ -165,30 +146,26 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.combine:
-        text = json.dumps(combine(args.combine), indent=2)
-    else:
-        import mlx.core as mx
+        write_json(combine(args.combine), args.out)
+        return
+    import mlx.core as mx
 
-        args.lengths = [int(x) for x in args.lengths.split(",")]
-        group = mx.distributed.init()
-        result = {
-            "ranks": group.size(),
-            "dims": args.dims,
-            "dtype": args.dtype,
-            "device": str(mx.default_device()),
-            "mlx": mx.__version__,
-        }
-        if not args.skip_check:
-            # in the compute dtype, and in fp32 where rounding cannot hide a wrong cut
-            result["check"] = check(args, group, args.dtype)
-            result["check_float32"] = check(args, group, "float32")
-        result["speed"] = speed(args, group)
-        if group.rank() != 0:
-            return
-        text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    group = mx.distributed.init()
+    result = {
+        "ranks": group.size(),
+        "dims": args.dims,
+        "dtype": args.dtype,
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+    }
+    if not args.skip_check:
+        # in the compute dtype, and in fp32 where rounding cannot hide a wrong cut
+        result["check"] = check(args, group, args.dtype)
+        result["check_float32"] = check(args, group, "float32")
+    result["speed"] = speed(args, group)
+    if group.rank() == 0:
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":

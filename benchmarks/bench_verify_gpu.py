@@ -18,7 +18,6 @@ rows are identical. `--dims tiny --layers 4` smoke-tests it on a CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import prompt, random_model  # noqa: E402
+from common import write_json  # noqa: E402
 
 
 def timed_forward(model, state, ids: list[int]) -> tuple[float, object]:
@@ -114,10 +114,7 @@ def main() -> None:
         "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
         "identical": bool(np.array_equal(a, b)),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

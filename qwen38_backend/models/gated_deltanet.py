@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..state import Replayable, RewindError
 from .gated_delta import CoreSpec, chunked_gated_delta, decode_core, gdn_core, prepare_qk
 from .gated_delta import recurrent_gated_delta as recurrent_gated_delta
-from .layers import can_fuse, fuse_linears, split_outputs
+from .layers import can_fuse, compiled, fuse_linears, split_outputs
 from .parallel import part_of, ranks, require_divisible, split_outputs_of, summed_over
 
 # tests/test_gpu.py imports `_gdn_core` and `recurrent_gated_delta` from this module; their
@@ -276,6 +276,18 @@ class GatedDeltaNet(nn.Module):
             self.norm.eps,
             self.norm.activation,
         )
+
+
+def decode_step(block: nn.Module, h: mx.array, state: GatedDeltaNetState) -> mx.array:
+    """One token through a block whose `_linear_step(h, conv, recurrent)` runs its Gated
+    DeltaNet mixer `block.linear_attn` (and whatever surrounds it) as one compiled graph;
+    advances `state`."""
+    mixer = block.linear_attn
+    conv, recurrent = mixer.initial_state(state, h.dtype)
+    mixer.prepare_decode(h.dtype)  # outside the trace: the kernel probe runs ops
+    h, state.conv, state.recurrent = compiled(block, "_linear_step")(h, conv, recurrent)
+    state.length += 1
+    return h
 
 
 def _kernel_module():

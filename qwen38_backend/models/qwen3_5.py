@@ -14,8 +14,8 @@ from ..config import LINEAR, Qwen35Config
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
 from .base import CausalLM
-from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
-from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, compiled, rope_from_config
+from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
+from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, rope_from_config
 
 # Norms that are zero-centred (1 + w). mlx-lm converted repos store them with +1 folded in.
 _ZC_NORM_SUFFIXES = (
@@ -77,11 +77,7 @@ class Qwen35Block(PreNormBlock):
 
     def decode_linear(self, h: mx.array, state: GatedDeltaNetState) -> mx.array:
         """One token through a Gated DeltaNet block: the whole block is one compiled graph."""
-        conv, recurrent = self.linear_attn.initial_state(state, h.dtype)
-        self.linear_attn.prepare_decode(h.dtype)
-        h, state.conv, state.recurrent = compiled(self, "_linear_step")(h, conv, recurrent)
-        state.length += 1
-        return h
+        return decode_step(self, h, state)
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
         out, conv, recurrent = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)

@@ -22,7 +22,7 @@ from ..errors import InvalidOptionError, WeightsError
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
 from .base import CausalLM
-from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState
+from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
 from .hyper_connections import GatedResidual
 from .layers import RMSNorm, RopeSpec, compiled
 from .moe import SparseMoE, fuse_expert_weights
@@ -178,11 +178,7 @@ class Qwen4ExpBlock(nn.Module):
 
     def decode_linear(self, R: mx.array, state: GatedDeltaNetState) -> mx.array:
         """One token through the Gated DeltaNet mixer and its stream mix, compiled."""
-        conv, recurrent = self.linear_attn.initial_state(state, R.dtype)
-        self.linear_attn.prepare_decode(R.dtype)
-        R, state.conv, state.recurrent = compiled(self, "_linear_step")(R, conv, recurrent)
-        state.length += 1
-        return R
+        return decode_step(self, R, state)
 
     def _linear_step(self, R: mx.array, conv: mx.array, recurrent: mx.array):
         new: list[mx.array] = []
