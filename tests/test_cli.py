@@ -60,6 +60,21 @@ def test_info_prints_architecture_and_memory_plan(tmp_path, isolated_home):
     assert "memory plan" in out.stdout and "kv" in out.stdout
 
 
+def test_info_plans_one_rank_of_a_split_model(tmp_path, isolated_home):
+    from qwen38_backend.admission import memory_plan
+
+    model = dense_fixture("qwen3", tmp_path)
+    out = qwen38("info", str(model), "--context", "1000", "--ranks", "2", env_home=isolated_home)
+    assert out.returncode == 0, out.stderr
+    assert "per rank of 2" in out.stdout
+    config = json.loads((model / "config.json").read_text())
+    half = memory_plan(config, 1000, ranks=2, dtype="float32").weights
+    assert f"{half:,} bytes" in out.stdout  # the rank's share, not the whole model
+    # 4 attention heads, 2 key/value heads: 3 ranks are refused by name, nothing planned
+    bad = qwen38("info", str(model), "--context", "1000", "--ranks", "3", env_home=isolated_home)
+    assert bad.returncode != 0 and "cannot be split evenly over 3 ranks" in bad.stderr
+
+
 def test_add_then_run_by_name(tmp_path, isolated_home):
     model = dense_fixture("qwen3", tmp_path)
     out = qwen38("add", str(model), "--name", "tiny", "--default", env_home=isolated_home)
