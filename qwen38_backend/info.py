@@ -38,9 +38,7 @@ def weights_summary(weights) -> dict:
     }
 
 
-def describe(
-    name_or_path: str, context: int | None = None, ranks: int = 1, **kv_options
-) -> str:
+def describe(name_or_path: str, context: int | None = None, ranks: int = 1, **kv_options) -> str:
     """What `qwen38 info` prints; with `context`, the memory plan for that many tokens with
     the KV options given (default: the contiguous store) and, when none are given, the
     paged store with the SSD tier beside it: pool, spill and whether each fits. `ranks`: the
