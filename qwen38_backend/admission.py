@@ -109,6 +109,7 @@ class MemoryPlan:
     selection_pages: int = 0  # pages a sparse decode step may need resident at once
     spill_dir: Path | None = None  # where the spill file goes (when kv_spill > 0)
     ranks: int = 1  # the plan is one rank's of a model split over this many
+    kv_token_bytes: int = 0  # K+V of one token over every attention layer
 
     def __getitem__(self, name: str) -> int:
         return sum(c.nbytes for c in self.components if c.name == name)
@@ -308,6 +309,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     n_lin = n_layers - n_attn
     hkv, hd, hq = cfg.num_key_value_heads // ranks, cfg.head_dim, cfg.num_attention_heads // ranks
     per_token = n_attn * hkv * hd * 2 * kvb
+    plan.kv_token_bytes = per_token
 
     chunk = int(options.get("prefill_chunk") or 512)
     schedule = _schedule(context, chunk, prompt_tokens)
@@ -644,9 +646,24 @@ def admit(
         parts = ", ".join(f"{c.name} {c.nbytes:,}" for c in biggest)
         raise AdmissionError(
             f"a {plan.context:,}-token context needs {need:,} bytes, has {available:,}, short by "
-            f"{need - available:,} bytes (largest: {parts}); use a shorter context, a smaller "
-            "KV pool (kv_pool_tokens, with kv_paged) or a smaller model"
+            f"{need - available:,} bytes (largest: {parts}); {_pool_advice(plan, need, available)}"
         )
+
+
+def _pool_advice(plan: MemoryPlan, need: int, available: int) -> str:
+    """What to change: for a paged plan, a kv_pool_tokens that fits (the pool and the buffer
+    its last growth replaces take at most 5/3 of the pool: kv.pool.grown_capacity, so this
+    pool fits whatever the growth steps), else the general options."""
+    general = "use a shorter context, a smaller KV pool (kv_pool_tokens, with kv_paged) or a "
+    general += "smaller model"
+    if plan.kv is None or not plan.kv.paged or not plan.kv_token_bytes:
+        return general
+    P = plan.page_tokens
+    rest = need - plan["kv"] - plan["kv_growth"]
+    pages = max(available - rest, 0) * 3 // 5 // (plan.kv_token_bytes * P)
+    if pages < max(plan.selection_pages, 1):
+        return "no KV pool fits beside the rest of the plan; " + general
+    return f"kv_pool_tokens={pages * P:,} fits (the rest of the KV spills to disk), or " + general
 
 
 def plan_verdict(plan: MemoryPlan, available: int | None = None) -> str:

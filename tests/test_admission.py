@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -240,3 +241,16 @@ def test_auto_pool_and_its_last_growth_fit_what_it_was_given(dense, context):
         plan = memory_plan(dense, context, kv_paged="on", available=available, dtype="float32")
         headroom = max(available // 4, AUTO_HEADROOM_MIN)
         assert plan["kv"] + plan["kv_growth"] <= available - headroom
+
+
+def test_refusal_names_a_pool_that_fits(dense):
+    """Over memory with the paged store: the refusal names a kv_pool_tokens, and the plan
+    with that pool is admitted with the same memory (the rest spills to disk)."""
+    context, available = 400_000, 600 * 2**20
+    plan = memory_plan(dense, context, kv_paged="on", kv_pool_tokens=context, dtype="float32")
+    with pytest.raises(AdmissionError, match=r"kv_pool_tokens=([\d,]+) fits") as err:
+        admit(plan, available, include_weights=False, disk_available=10**12)
+    tokens = int(re.search(r"kv_pool_tokens=([\d,]+)", str(err.value))[1].replace(",", ""))
+    smaller = memory_plan(dense, context, kv_paged="on", kv_pool_tokens=tokens, dtype="float32")
+    admit(smaller, available, include_weights=False, disk_available=10**12)
+    assert smaller.disk > 0 and tokens < context
