@@ -36,6 +36,12 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
         help="enable or disable the model's thinking (Qwen templates)",
     )
     p.add_argument("--dtype", default=None, help="compute dtype: float32, bfloat16, float16")
+    _add_engine_flags(p)
+    p.add_argument("--stats", action="store_true", help="print usage and speed to stderr")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """KV store and draft options (run, chat and serve)."""
     p.add_argument("--kv-paged", choices=["on", "off", "auto"], default=None)
     p.add_argument("--kv-topk", type=int, default=None, help="sparse decode token budget")
     p.add_argument("--kv-page-tokens", type=int, default=None)
@@ -56,7 +62,20 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
         "when the model has one; ngram = copy from earlier text (rewrites, quoting)",
     )
     p.add_argument("--draft-tokens", type=int, default=None, help="draft tokens per round (k)")
-    p.add_argument("--stats", action="store_true", help="print usage and speed to stderr")
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The KV and draft options given on the command line."""
+    from .kv import KV_OPTION_KEYS
+
+    opts = {}
+    for name in sorted(KV_OPTION_KEYS):  # each has its --kv-... flag
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    for name in ("draft", "draft_tokens"):
+        if getattr(args, name, None) is not None:
+            opts[name] = getattr(args, name)
+    return opts
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -69,14 +88,7 @@ def _options(args: argparse.Namespace) -> dict:
         seed=args.seed,
         stop=args.stop,
     )
-    from .kv import KV_OPTION_KEYS
-
-    for name in sorted(KV_OPTION_KEYS):  # each has its --kv-... flag
-        if getattr(args, name) is not None:
-            opts[name] = getattr(args, name)
-    for name in ("draft", "draft_tokens"):
-        if getattr(args, name, None) is not None:
-            opts[name] = getattr(args, name)
+    opts.update(_engine_options(args))
     if args.think is not None:
         opts["enable_thinking"] = args.think
     return opts
@@ -190,6 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sessions=args.sessions,
         max_queue=args.max_queue,
         quiet=args.quiet,
+        defaults=_engine_options(args),
     )
 
 
@@ -282,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=16, help="calls that may wait; more are refused (503)"
     )
     p.add_argument("--quiet", action="store_true", help="do not log each HTTP request")
+    _add_engine_flags(p)  # server-wide defaults; a request's own options override them
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="architecture, parameters, dtype, bytes, context")

@@ -96,9 +96,16 @@ class Engine:
     """The model, its sessions and the queue of calls; `loop()` runs them, on every rank."""
 
     def __init__(
-        self, model: Any, ranks: Ranks | None = None, sessions: int = 2, max_queue: int = 16
+        self,
+        model: Any,
+        ranks: Ranks | None = None,
+        sessions: int = 2,
+        max_queue: int = 16,
+        defaults: dict[str, Any] | None = None,
     ):
         self.model = model
+        # server-wide options (`qwen38 serve --kv-topk ...`); a request's own override them
+        self.defaults = dict(defaults or {})
         self.name = str(model.name)
         self.ranks = ranks or Ranks()
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -117,6 +124,7 @@ class Engine:
     def prepare(self, call: ChatCall) -> Job:
         """Decide the call now (refusals before it queues); a sampling call without a seed
         gets one here, so every rank draws the same tokens."""
+        call.args = {**self.defaults, **call.args}  # the other ranks get the merged options
         request = build_request(self.model, **call.args)
         if not request.params.greedy and request.params.seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
@@ -380,13 +388,16 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def _figures(stats: Any) -> dict[str, Any]:
-    """The engine's own figures of one call (beside OpenAI's usage)."""
+    """The engine's own figures of one call (beside OpenAI's usage): speeds, the KV store's
+    counters (pages spilled / fetched, ...) and the drafting figures."""
     return {
         "finish_reason": stats.finish_reason,
         "prefill_tokens_per_second": round(stats.prefill_tokens_per_second, 2),
         "decode_tokens_per_second": round(stats.decode_tokens_per_second, 2),
         "prefill_seconds": round(stats.prefill_seconds, 4),
         "decode_seconds": round(stats.decode_seconds, 4),
+        "kv": dict(stats.kv or {}),
+        "draft": stats.draft_stats(),
     }
 
 
@@ -424,6 +435,7 @@ def serve(
     sessions: int = 2,
     max_queue: int = 16,
     quiet: bool = False,
+    defaults: dict[str, Any] | None = None,
 ) -> int:
     """Load `model` and serve it until SIGINT / SIGTERM (every rank of an mlx.launch job
     calls this; rank 0 listens on host:port)."""
@@ -437,7 +449,7 @@ def serve(
     ranks = Ranks(group if group.size() > 1 else None)
     # rank 0 claims its port before loading, so a taken port fails at once
     server = make_server(None, host, port, quiet) if ranks.leader else None
-    engine = Engine(load_for_ranks(model, ranks, dtype), ranks, sessions, max_queue)
+    engine = Engine(load_for_ranks(model, ranks, dtype), ranks, sessions, max_queue, defaults)
     if server is None:
         # rank 0 says when to stop (a signal to the whole job reaches it too)
         signal.signal(signal.SIGINT, signal.SIG_IGN)

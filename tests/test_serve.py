@@ -32,8 +32,9 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 class Server:
     """`qwen38 serve` (optionally under mlx.launch) in its own process group."""
 
-    def __init__(self, weights: Path, home: Path, ranks: int = 1):
+    def __init__(self, weights: Path, home: Path, ranks: int = 1, flags: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "qwen38_backend.cli", "serve", str(weights), "--port", "0"]
+        cmd += list(flags)
         if ranks > 1:
             launch = Path(sys.executable).parent / "mlx.launch"
             cmd = [str(launch), "-n", str(ranks), "--backend", "ring", "--", *cmd]
@@ -166,6 +167,30 @@ def test_whole_and_streamed_answers_equal_the_engine(server, local):
     )
     # the same prompt again: all but the last prompt token come from the live state
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt"] - 1
+
+
+def test_server_wide_kv_and_draft_defaults(weights, local, tmp_path):
+    """`qwen38 serve --kv-... --draft ...` applies to every call (a bounded pool that spills,
+    n-gram drafts); the answer is the engine's with the same options, and a call's own
+    option overrides the server's."""
+    spill = tmp_path / "spill"
+    flags = ("--kv-paged", "on", "--kv-page-tokens", "16", "--kv-pool-tokens", "160")
+    flags += ("--kv-topk", "64", "--kv-spill-dir", str(spill), "--draft", "ngram")
+    s = Server(weights, tmp_path / "home", flags=flags)
+    try:
+        messages = user("Repeat after me: " + " ".join(["red green blue"] * 40))
+        options = {"kv_paged": "on", "kv_page_tokens": 16, "kv_pool_tokens": 160, "kv_topk": 64}
+        options.update(kv_spill_dir=str(tmp_path / "local-spill"), draft="ngram", **GREEDY)
+        text, _, _ = local_answer(local, messages, **options)
+        status, body = s.post({"messages": messages, **GREEDY})
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == text
+        figures = body["qwen38"]
+        assert figures["kv"]["pages_spilled"] > 0 and figures["draft"]["mode"] == "ngram"
+        status, body = s.post({"messages": user("Say hi."), "draft": "off", **GREEDY})
+        assert status == 200 and body["qwen38"]["draft"]["mode"] != "ngram"
+    finally:
+        assert s.stop() == 0, "".join(s.log)
 
 
 def test_follow_up_shows_cached_tokens(server):
