@@ -225,32 +225,15 @@ class ChatQwen38(BaseChatModel):
         events come back through qwen38_backend.client."""
         from qwen38_backend.client import ServedModel
 
-        model_name = kwargs.get("model") or self.model
-
-        def check() -> None:
-            if cancelled.is_set():
-                raise _Cancelled()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{model_name}: generation exceeded timeout={self.timeout}s")
-
-        try:
+        def open_events(check: Callable[[], None]) -> tuple[Any, None]:
             options = self._options(stop, kwargs)
             tools = options.pop("tools", None) or None
             client = ServedModel(served[0], served[1], timeout=self.timeout)
-            events = client.generate(
-                to_template_messages(messages), tools, cancel=cancelled, **options
-            )
-            try:
-                for chunk in self._chunks_from_events(events, model_name, check):
-                    emit(("chunk", chunk))
-            finally:
-                events.close()
-        except _Cancelled:
-            pass
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            emit(("error", e))
-        finally:
-            emit(("end", None))
+            dicts = to_template_messages(messages)
+            return client.generate(dicts, tools, cancel=cancelled, **options), None
+
+        model_name = kwargs.get("model") or self.model
+        self._emit_events(open_events, model_name, emit, cancelled, deadline)
 
     def _start(
         self,
@@ -312,9 +295,32 @@ class ChatQwen38(BaseChatModel):
         cancelled: threading.Event,
         deadline: float | None,
     ) -> None:
-        """One generation, on the engine thread: emits ("chunk", AIMessageChunk) items, then
-        ("error", exc) if it failed, then ("end", None)."""
+        """One generation, on the engine thread (see `_emit_events`)."""
+
+        def open_events(check: Callable[[], None]) -> tuple[Any, Any]:
+            check()
+            request = self._prepare(shared, messages, stop, kwargs)
+            session = shared.acquire_session(request.ids)
+            if request.params.seed is not None and session.state is not None:
+                # the live state carries the previous call's RNG key, which would override
+                # the seed: drop it so a seed reproduces its output
+                session.state.extras.pop("rng_key", None)
+            return session.generate(request, cancel=cancelled), session
+
         model_name = kwargs.get("model") or self.model
+        self._emit_events(open_events, model_name, emit, cancelled, deadline)
+
+    def _emit_events(
+        self,
+        open_events: Callable[[Callable[[], None]], tuple[Any, Any]],
+        model_name: str,
+        emit: Callable[[tuple[str, Any]], None],
+        cancelled: threading.Event,
+        deadline: float | None,
+    ) -> None:
+        """Emit ("chunk", AIMessageChunk) items from the events `open_events(check)` starts
+        (local engine or server), then ("error", exc) if it failed, then ("end", None);
+        `check` stops it on a cancel or past the deadline."""
 
         def check() -> None:
             if cancelled.is_set():
@@ -323,14 +329,7 @@ class ChatQwen38(BaseChatModel):
                 raise TimeoutError(f"{model_name}: generation exceeded timeout={self.timeout}s")
 
         try:
-            check()
-            request = self._prepare(shared, messages, stop, kwargs)
-            session = shared.acquire_session(request.ids)
-            if request.params.seed is not None and session.state is not None:
-                # the live state carries the previous call's RNG key, which would override
-                # the seed: drop it so a seed reproduces its output
-                session.state.extras.pop("rng_key", None)
-            events = session.generate(request, cancel=cancelled)
+            events, session = open_events(check)
             try:
                 for chunk in self._chunks_from_events(events, model_name, check, session):
                     emit(("chunk", chunk))
