@@ -84,8 +84,10 @@ class CausalLM(nn.Module):
     def mtp_advance(self, features: mx.array, next_tokens: mx.array, mtp_state) -> mx.array:
         """Run the head at its next positions on (trunk or chained features [T, ...], ids of
         the tokens after them [T]); returns its output features (chainable), no logits."""
-        raise NotImplementedError(f"{type(self).__name__} has no MTP draft head")
+        self._require_mtp()  # a family without a head (dense) says so here
+        raise ConfigError(f"{type(self).__name__} does not run an MTP draft head")
 
     def mtp_logits(self, mtp_features: mx.array) -> mx.array:
         """Draft logits of the head's output features (they predict two tokens ahead)."""
-        raise NotImplementedError(f"{type(self).__name__} has no MTP draft head")
+        self._require_mtp()
+        raise ConfigError(f"{type(self).__name__} does not run an MTP draft head")
