@@ -130,6 +130,22 @@ def response_schema(response_format: Any) -> tuple[str, dict | None]:
     return "schema", schema
 
 
+# Quest's selection options: Flash-Next selects with its trained QSA indexer instead
+QUEST_KEYS = ("kv_topk", "kv_sinks", "kv_recent")
+
+
+def _check_selection_options(model: Any, kv: dict[str, Any]) -> None:
+    """Refuse Quest options on a model whose selection is its own (they would be ignored)."""
+    given = [k for k in QUEST_KEYS if k in kv]
+    budget = getattr(getattr(model, "config", None), "indexer_budget", None)
+    if given and budget is not None:
+        raise InvalidOptionError(
+            f"{', '.join(given)}: this model (Flash-Next, qwen4_exp) selects what decode reads "
+            f"with its own QSA indexer ({budget} tokens, from its config); Quest options do "
+            "not apply (kv_paged, kv_page_tokens, kv_pool_tokens and kv_spill_dir do)"
+        )
+
+
 def build_request(
     model: Any,
     prompt: Any,
@@ -150,6 +166,7 @@ def build_request(
     from . import constrained as grammar
 
     sampling, kv, template, limits = split_options(options)
+    _check_selection_options(model, kv)
     if model_sampling:
         sampling = {**model_sampling_defaults(model), **sampling}
     choice = normalize_tool_choice(tool_choice, tools)

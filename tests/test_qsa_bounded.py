@@ -144,6 +144,17 @@ def test_page_size_must_hold_whole_blocks(model):
         model.new_state(kv_paged="on", kv_page_tokens=6)
 
 
+def test_quest_options_are_refused_by_name(model):
+    """kv_topk / kv_sinks / kv_recent would be ignored (QSA selects): refused before any work,
+    naming them; the paged store's own options are accepted."""
+    session = model.session(cache=False)
+    for bad in ({"kv_topk": 256}, {"kv_sinks": 8, "kv_recent": 16}):
+        with pytest.raises(InvalidOptionError, match=f"{next(iter(bad))}.*own QSA indexer"):
+            session.request("hi", kv_paged="on", **bad)
+    request = session.request("hi", kv_paged="on", kv_page_tokens=16, kv_pool_tokens=4096)
+    assert request.kv == {"kv_paged": "on", "kv_page_tokens": 16, "kv_pool_tokens": 4096}
+
+
 @pytest.mark.parametrize("kv", [{}, {"kv_paged": "on", "kv_page_tokens": 8}])
 def test_state_file_keeps_open_block_raw_rows_and_replays(model, tmp_path, kv):
     ids = _ids(60, seed=4)
