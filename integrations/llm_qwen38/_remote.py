@@ -7,8 +7,6 @@ conversation's cached tokens in response_json.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -16,7 +14,16 @@ from typing import Any
 
 import llm
 
-from ._runtime import _note, _Translator, chat_messages, report, tool_specs
+from ._runtime import (
+    _END,
+    LoopQueue,
+    _Error,
+    _note,
+    _Translator,
+    chat_messages,
+    report,
+    tool_specs,
+)
 
 
 def _options(prompt: llm.Prompt) -> dict[str, Any]:
@@ -108,37 +115,26 @@ async def execute_async(
     model: Any, served: tuple[str, str], prompt: llm.Prompt, response: Any
 ) -> AsyncIterator[Any]:
     """The same, read on a thread so the event loop never blocks on the socket."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue = asyncio.Queue()
+    bridge = LoopQueue(_raise)
     cancel = threading.Event()
-    end = object()
-
-    def put(item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
-            loop.call_soon_threadsafe(q.put_nowait, item)
 
     def work() -> None:
         try:
             client, events = _stream(model, served, prompt, cancel)
             try:
                 for item in _items(model, served, client, events):
-                    put(item)
+                    bridge.put(item)
             finally:
                 events.close()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            put(exc)
+            bridge.put(_Error(exc))
         finally:
-            put(end)
+            bridge.put(_END)
 
     threading.Thread(target=work, name="qwen38-remote", daemon=True).start()
     translate = _Translator(response)
     try:
-        while True:
-            item = await q.get()
-            if item is end:
-                break
-            if isinstance(item, BaseException):
-                _raise(item)
+        async for item in bridge.items():
             for event in translate(item):
                 yield event
     finally:

@@ -290,6 +290,30 @@ class _Error:
 _END = object()
 
 
+class LoopQueue:
+    """Items handed from a worker thread to the running event loop: `put` from any thread
+    (the worker's protocol: items, then `_Error(exc)` if it failed, then `_END`), `items()`
+    on the loop yields them and raises the error."""
+
+    def __init__(self, fail: Callable[[BaseException], None] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.fail = fail or _raise  # how a worker's exception reaches the caller
+
+    def put(self, item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def items(self) -> AsyncIterator[Any]:
+        while True:
+            item = await self.queue.get()
+            if item is _END:
+                return
+            if isinstance(item, _Error):
+                self.fail(item.exc)
+            yield item
+
+
 def _engine() -> Any:
     from qwen38_backend.worker import engine_thread
 
@@ -413,24 +437,13 @@ async def execute_async(
 ) -> AsyncIterator[Any]:
     _home.ensure_home()
     request = build_request(model, prompt, conversation)
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue = asyncio.Queue()
-
-    def put(item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
+    bridge = LoopQueue()
     engine = _engine()
     engine.cancel_at_exit(request.cancel)
-    engine.submit(_work, request, put)
+    engine.submit(_work, request, bridge.put)
     translate = _Translator(response)
     try:
-        while True:
-            item = await q.get()
-            if item is _END:
-                return
-            if isinstance(item, _Error):
-                _raise(item.exc)
+        async for item in bridge.items():
             for event in translate(item):
                 yield event
     finally:
