@@ -151,6 +151,20 @@ def reference_attention(q, keys, values, pages_per_head, length, page, scale):
     return out
 
 
+def repeat_last_row(store, q, keys, values):
+    """One decode step of `store` whose new K/V repeat its last row; returns the output and
+    the keys / values with that row appended (what a reference attends over)."""
+    out = store.attend(
+        mx.array(q)[None, :, None],
+        mx.array(keys[:, -1:])[None],
+        mx.array(values[:, -1:])[None],
+        0.3,
+    )
+    keys = np.concatenate([keys, keys[:, -1:]], axis=1)
+    values = np.concatenate([values, values[:, -1:]], axis=1)
+    return out, keys, values
+
+
 def test_sparse_decode_attends_over_each_heads_own_pages():
     differs = False
     for seed in range(6):
@@ -176,14 +190,7 @@ def test_sparse_decode_attends_over_each_heads_own_pages():
             seed=seed, length=40, budget=16, sinks=4, recent=0, shared=False
         )
         q = np.random.default_rng(seed).normal(size=(6, 8)).astype(np.float32) * 4
-        out = store.attend(
-            mx.array(q)[None, :, None],
-            mx.array(keys[:, -1:])[None],
-            mx.array(values[:, -1:])[None],
-            0.3,
-        )
-        keys = np.concatenate([keys, keys[:, -1:]], axis=1)
-        values = np.concatenate([values, values[:, -1:]], axis=1)
+        out, keys, values = repeat_last_row(store, q, keys, values)
         pages = np.array(store.select(mx.array(q), 4))
         differs |= not (pages[0] == pages[1]).all()
         ref = reference_attention(q, keys, values, pages, 41, 4, 0.3)
@@ -204,14 +211,7 @@ def test_shared_selection_is_the_top_k_of_the_bound_summed_over_heads():
             store.restore(
                 {"keys": mx.array(keys), "values": mx.array(values), "page_tokens": mx.array(0)}
             )
-        out = store.attend(
-            mx.array(q)[None, :, None],
-            mx.array(keys[:, -1:])[None],
-            mx.array(values[:, -1:])[None],
-            0.3,
-        )
-        keys = np.concatenate([keys, keys[:, -1:]], axis=1)
-        values = np.concatenate([values, values[:, -1:]], axis=1)
+        out, keys, values = repeat_last_row(store, q, keys, values)
         pages = np.array(store.select(mx.array(q), 4))
         sealed = keys[:, :40].reshape(2, 10, 4, 8).astype(np.float64)
         lo, hi = sealed.min(axis=2), sealed.max(axis=2)  # [2, 10, 8]
