@@ -527,3 +527,60 @@ def test_quantized_experts_match_their_dequantized_weights(T):
     inds = mx.array(rng.integers(0, 8, (T, 2)).astype(np.uint32))
     a, b = np.array(q(x, inds)), np.array(deq(x, inds))
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max() + 1e-3
+
+
+def _experts_4bit_checkpoint(src: Path, tmp: Path) -> tuple[Path, Path]:
+    """(a checkpoint whose fused expert stacks are MLX 4-bit under the HF `model.language_model.`
+    names, the same model with those experts dequantized to floats)."""
+    import shutil
+
+    weights = mx.load(str(src / "model.safetensors"))
+    rng = np.random.default_rng(5)
+    quant, floats = {}, {}
+    for name, w in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # intermediate 32 (tiny has 16): a quantization group needs 32 columns
+            E, rows, cols = w.shape
+            shape = (E, 64, cols) if name.endswith("gate_up_proj") else (E, rows, 32)
+            w = mx.array((rng.standard_normal(shape) * 0.2).astype(np.float32))
+            q, s, b = mx.quantize(w, group_size=32, bits=4)
+            quant.update({f"{name}.weight": q, f"{name}.scales": s, f"{name}.biases": b})
+            floats[name] = mx.dequantize(q, s, b, group_size=32, bits=4)
+        else:
+            quant[name] = floats[name] = w
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["moe_intermediate_size"] = 32
+    dirs = []
+    for label, tensors, quantization in (
+        ("q4", quant, {"group_size": 32, "bits": 4}),
+        ("deq", floats, None),
+    ):
+        d = tmp / label
+        shutil.copytree(src, d)
+        mx.save_safetensors(str(d / "model.safetensors"), tensors)
+        cfg = dict(config, quantization=quantization) if quantization else config
+        (d / "config.json").write_text(json.dumps(cfg))
+        dirs.append(d)
+    return dirs[0], dirs[1]
+
+
+@pytest.mark.parametrize("keep", (True, False))
+def test_4bit_expert_checkpoint_loads_and_matches_dequantized(weights_dir, tmp_path, keep):
+    """Fused expert stacks quantized under the multimodal names: kept packed (gather_qmm,
+    prefill's grouped path and decode's compiled step) or dequantized at load, the logits are
+    those of the float checkpoint holding the dequantized experts."""
+    from qwen38_backend.models.moe import Experts, QuantizedExperts
+
+    q_dir, ref_dir = _experts_4bit_checkpoint(weights_dir, tmp_path)
+    q, ref = load_model(q_dir, keep_quantized=keep), load_model(ref_dir)
+    kinds = {type(b.mlp.experts) for b in q.net.model.layers} | {
+        type(q.net.mtp.layers[0].mlp.experts)
+    }
+    assert kinds == {QuantizedExperts if keep else Experts}
+    ids = _tokens(40)  # 40 tokens x top-2 >= 64 pairs: the expert-sorted prefill path
+    want = ref.logits(ids)
+    np.testing.assert_allclose(q.logits(ids), want, atol=1e-4 * np.abs(want).max())
+    state = q.new_state()
+    q.forward(ids[:36], state)
+    rows = [np.array(q.forward([t], state).astype(mx.float32))[0] for t in ids[36:]]
+    np.testing.assert_allclose(np.stack(rows), want[36:], atol=1e-4 * np.abs(want).max())

@@ -63,18 +63,50 @@ def physical_memory() -> int:
 
 
 def dequantize_all(
-    weights: dict[str, mx.array], quantization: dict[str, tuple[int, int]], dtype: mx.Dtype
+    weights: dict[str, mx.array],
+    quantization: dict[str, tuple[int, int]],
+    dtype: mx.Dtype,
+    bare: frozenset[str] = frozenset(),
 ) -> dict[str, mx.array]:
-    """Replace every (weight, scales, biases) triplet by its dequantized float weight."""
+    """Replace every (weight, scales, biases) triplet by its dequantized float weight.
+
+    bare: the quantized names that are a parameter themselves (fused experts' `gate_up_proj`),
+    whose float tensor takes the name without `.weight`."""
     out = dict(weights)
     for module, (group_size, bits) in quantization.items():
         packed = out.pop(f"{module}.weight")
         scales = out.pop(f"{module}.scales").astype(dtype)
         biases = out.pop(f"{module}.biases").astype(dtype)
-        out[f"{module}.weight"] = mx.dequantize(
-            packed, scales, biases, group_size=group_size, bits=bits
-        ).astype(dtype)
+        name = module if module in bare else f"{module}.weight"
+        out[name] = mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits).astype(
+            dtype
+        )
     return out
+
+
+def quantized_owners(
+    net: nn.Module, quantization: dict[str, tuple[int, int]]
+) -> dict[str, tuple[str, bool]]:
+    """Each quantized name as the weights spell it -> (the path of the module in `net` that
+    `nn.quantize` must convert, whether the name is a parameter of that module).
+
+    The weights' names go through the family's `canonical_names` first (a multimodal
+    `model.language_model.` prefix); a fused expert stack (`mlp.experts.gate_up_proj` with
+    weight / scales / biases) is a parameter of its experts module, not a module."""
+    canonical = getattr(net, "canonical_names", None)
+    modules = dict(net.named_modules())
+    owners = {}
+    for name in quantization:
+        renamed = canonical({f"{name}.weight": None}) if canonical else {f"{name}.weight": None}
+        if not renamed:  # a tied lm_head the family drops
+            continue
+        path = next(iter(renamed))[: -len(".weight")]
+        parent, _, leaf = path.rpartition(".")
+        if path not in modules and parent in modules and leaf in modules[parent]:
+            owners[name] = (parent, True)
+        else:
+            owners[name] = (path, False)
+    return owners
 
 
 def assign_weights(
@@ -98,11 +130,13 @@ def assign_weights(
         dequantize = should_dequantize(weights, quantization, dtype)
     sharded = group is not None and group.size() > 1
     source = weights
+    owners = quantized_owners(net, quantization)
     if dequantize and quantization:
-        weights, quantization = dequantize_all(weights, quantization, dtype), {}
+        bare = frozenset(n for n, (_, param) in owners.items() if param)
+        weights, quantization = dequantize_all(weights, quantization, dtype, bare), {}
     weights = net.sanitize(dict(weights))
     if quantization:
-        _quantize(net, quantization)
+        _quantize(net, _by_module(owners, quantization))
     expected = dict(tree_flatten(net.parameters()))
     _check(expected, weights)
     source.clear()
@@ -119,6 +153,21 @@ def assign_weights(
         net.shard(group)
         for _, p in tree_flatten(net.parameters()):
             mx.eval(p)  # one tensor at a time: its whole source is freed after the cut
+
+
+def _by_module(
+    owners: dict[str, tuple[str, bool]], quantization: dict[str, tuple[int, int]]
+) -> dict[str, tuple[int, int]]:
+    """(group_size, bits) per module path; a module's quantized parameters must agree."""
+    out: dict[str, tuple[int, int]] = {}
+    for name, (path, _) in owners.items():
+        spec = quantization[name]
+        if out.setdefault(path, spec) != spec:
+            raise WeightsError(
+                f"{path}: its quantized tensors disagree on (group_size, bits): "
+                f"{out[path]} and {spec} ({name})"
+            )
+    return out
 
 
 def _quantize(net: nn.Module, quantization: dict[str, tuple[int, int]]) -> None:
