@@ -128,6 +128,18 @@ class SequenceState:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def reads_back(self) -> bool:
+        """Whether some layer reads device results on the host part-way through a step (a
+        paged store fetching the spilled pages of its selection). The families then hand
+        each layer to the device as soon as it is built (mx.async_eval), so the device runs
+        the layers before that read while the host builds them, instead of idling until it."""
+        for layer in self.layers:
+            for store in (layer, getattr(layer, "kv", None)):
+                probe = getattr(store, "reads_back", None)
+                if callable(probe) and probe():
+                    return True
+        return False
+
     def close(self) -> None:
         """Release what outlives the arrays: the spill file of a paged store (also nested in
         a QSA state). Idempotent; the state must not be used afterwards."""

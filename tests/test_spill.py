@@ -151,6 +151,34 @@ def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path):
     assert spilled.table.n_spilled > 0
 
 
+def test_decode_evictions_find_pages_already_written(tmp_path, monkeypatch):
+    """A fetch evicts pages; the next append writes the reserve behind again, so a decode
+    step's evictions find pages already on disk instead of writing them while it waits."""
+    from qwen38_backend.kv.spill import SpillRegion
+
+    k, v = rows(400, seed=3)
+    store = PagedKV(page_tokens=P, budget=8 * P, sinks=P, recent=P, pool_pages=24,
+                    spill=SpillFile(tmp_path))  # fmt: skip
+    fill(store, k, v)
+    waited = []
+    ensure_written = SpillRegion.ensure_written
+
+    def counting(self, page, kp, vp):
+        waited.append(not self.is_clean(page))
+        return ensure_written(self, page, kp, vp)
+
+    monkeypatch.setattr(SpillRegion, "ensure_written", counting)
+    evicted = store.pool.evictions
+    rng = np.random.default_rng(7)
+    for _ in range(P - 1):  # no page seals meanwhile: only fetches move pages
+        q = mx.array(rng.normal(size=(1, 4, 1, 8)).astype(np.float32) * 10)
+        kn = mx.array(rng.normal(size=(1, 2, 1, 8)).astype(np.float32))
+        mx.eval(store.attend(q, kn, kn, 0.35))
+    # the selections churned through more than twice the written reserve (a quarter)
+    assert store.pool.evictions - evicted > 2 * 24 // 4
+    assert not any(waited), f"{sum(waited)} evictions wrote a page synchronously"
+
+
 def test_selection_larger_than_the_pool_is_refused(tmp_path):
     k, v = rows(200, seed=2)
     store = PagedKV(page_tokens=P, budget=12 * P, sinks=P, recent=P, pool_pages=6,
@@ -180,9 +208,11 @@ def test_dense_model_spilled_equals_resident(dense, tmp_path, budget):
 def test_hybrid_model_spilled_equals_resident(hybrid, tmp_path):
     ids = prompt(120, hybrid.config.vocab_size, seed=3)
     for budget in (10**6, 4 * P):
-        ref, _ = greedy(hybrid.net, ids, factory(None, budget, pool_pages=None), n=20)
+        ref, resident = greedy(hybrid.net, ids, factory(None, budget, pool_pages=None), n=20)
         out, state = greedy(hybrid.net, ids, factory(tmp_path, budget, pool_pages=10), n=20)
         assert out == ref, budget
+        # with pages spilled, a step hands each layer to the device as it is built
+        assert state.reads_back() and not resident.reads_back()
         kv = collect_kv_stats(state)
         assert kv["pages_spilled"] > 0 and kv["pages_fetched"] > 0
 

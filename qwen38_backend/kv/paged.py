@@ -351,9 +351,15 @@ class PagedKV:
         P = self.page_tokens
         dtype = self.pool.k.dtype
         rows = (mx.array(slots, dtype=mx.int32)[:, None] * P + mx.arange(P)).reshape(-1)
-        self.pool.k[:, rows] = mx.concatenate([from_host(data[p][0], dtype) for p in pages], 1)
-        self.pool.v[:, rows] = mx.concatenate([from_host(data[p][1], dtype) for p in pages], 1)
+        # One host-to-device copy per tensor, not one per page.
+        keys = np.concatenate([data[p][0] for p in pages], axis=1)
+        values = np.concatenate([data[p][1] for p in pages], axis=1)
+        self.pool.k[:, rows] = from_host(keys, dtype)
+        self.pool.v[:, rows] = from_host(values, dtype)
         self.table.place(pages, slots)
+        # The allocations evicted pages: the next append tops the written reserve up again,
+        # so later evictions find clean pages instead of writing them out synchronously.
+        self._behind_at = -1
         return slots
 
     def selection_size(self) -> tuple[int, int]:
@@ -429,6 +435,11 @@ class PagedKV:
         return attend_past(
             q, past, lambda: self._past_blocks(past, block), k, v, scale, self._dense_kv, block
         )
+
+    def reads_back(self) -> bool:
+        """Whether a decode step reads device results on the host mid-step: a selection with
+        spilled pages must be known on the host to fetch them (SequenceState.reads_back)."""
+        return self.table.n_spilled > 0
 
     def _block(self) -> int:
         return max(self.block_tokens // self.page_tokens, 1) * self.page_tokens

@@ -59,8 +59,11 @@ class DenseModel(CausalLM):
         """Final-normed hidden states [T, hidden]."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
+        eager = state.reads_back()  # see SequenceState.reads_back
         for layer, kv in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, kv, offset)
+            if eager:
+                mx.async_eval(h)
         return self.model.norm(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -111,8 +111,11 @@ class Qwen35Model(CausalLM):
         """Final-normed hidden states [T, hidden] (also the MTP head's input)."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
+        eager = state.reads_back()  # see SequenceState.reads_back
         for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, layer_state, offset)
+            if eager:
+                mx.async_eval(h)
         return self.model.norm(h)
 
     # ----- MTP -----------------------------------------------------------------------------

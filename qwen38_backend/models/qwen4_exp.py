@@ -225,8 +225,11 @@ class Qwen4ExpModel(CausalLM):
         """The residual streams after the last layer, [T, hc * hidden] (the MTP head's input)."""
         offset = state.offset
         R = mx.tile(self.model.embed_tokens(ids), (1, self.config.hc_count))
+        eager = state.reads_back()  # see SequenceState.reads_back
         for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
             R = layer(R, ids, layer_state, offset)
+            if eager:
+                mx.async_eval(R)
         return R
 
     def hidden(self, ids: mx.array, state: SequenceState) -> mx.array:
