@@ -45,6 +45,8 @@ Flags:
   --page-tokens N        kv_page_tokens (a multiple of 4; default 32)
   --pool-tokens N        kv_pool_tokens (bounded pool, spills to --spill-dir)
   --peer-max N           largest depth at which the masked peer runs (default 8192)
+  --experts-bits N       MLX-affine quantize the expert stacks (4 or 8, group --group-size
+                         64), kept packed as a quantized checkpoint's (gather_qmm); default off
   --seed N               weights seed; --out FILE: write the JSON there too
   --op-by-op             decode with the block steps built op by op (the compiled steps off)
 """
@@ -107,27 +109,60 @@ def flash_config(dims: str, layers: int, experts: int | None, ngram_base: int | 
     return full_config(c)
 
 
-def random_model(config: dict, dtype_name: str, seed: int):
-    """(Model, weight bytes) with device-side random weights in the real layout."""
+EXPERT_STACKS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+LAYER = "model.language_model.layers."
+
+
+def random_model(
+    config: dict,
+    dtype_name: str,
+    seed: int,
+    experts_bits: int | None = None,
+    group_size: int = 64,
+    log=None,
+):
+    """(Model, weight bytes) with device-side random weights in the real layout.
+
+    experts_bits: every fused expert stack is drawn (in the model dtype) and MLX-affine
+    quantized at once, its float copy freed before the next, so peak memory stays near the
+    packed size; the triplets then go through the loader's `assign_weights` as a quantized
+    checkpoint's would (QuantizedExperts, gather_qmm). Weight bytes exclude the n-gram table
+    (the loader memory-maps it; `ngram_table_bytes` counts it). log(msg): progress per layer.
+    """
     import mlx.core as mx
     import numpy as np
-    from mlx.utils import tree_unflatten
+    from mlx.utils import tree_flatten
 
     from qwen38_backend.engine import Model
     from qwen38_backend.loading import Weights
     from qwen38_backend.models import build_model
+    from qwen38_backend.models.assign import assign_weights
     from qwen38_backend.models.layers import fuse_projections
     from qwen38_backend.testing import tiny_qwen4_exp as tq
 
     dtype = getattr(mx, dtype_name)
     tc = config["text_config"]
     net = build_model(config)
-    weights = {}
+    weights, quantization, layer = {}, {}, None
     for name, (shape, kind) in tq.tensor_shapes(tc).items():
+        if log is not None and name.startswith(LAYER) and name.split(".")[3] != layer:
+            layer = name.split(".")[3]
+            done = sum(w.nbytes for w in weights.values())
+            log(f"weights: layer {layer}/{tc['num_hidden_layers']}, {done / 1e9:.2f} GB so far")
         if kind.startswith("buffer:"):  # the n-gram hash buffers: exact int64 values
             weights[name] = mx.array(np.concatenate(list(tq._values(name, shape, kind, 0, tc))))
             continue
         key = mx.random.key(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if experts_bits and name.endswith(EXPERT_STACKS):
+            w = mx.random.normal(shape, dtype, scale=shape[-1] ** -0.5, key=key)
+            packed = mx.quantize(w, group_size, experts_bits)
+            mx.eval(*packed)
+            del w
+            mx.clear_cache()  # the float stack's buffer: not kept for the packed ones
+            for part, value in zip(("weight", "scales", "biases"), packed, strict=True):
+                weights[f"{name}.{part}"] = value
+            quantization[name] = (group_size, experts_bits)
+            continue
         n = mx.random.normal(shape, key=key)
         if kind == "A_log":
             w = mx.log(mx.random.uniform(0.5, 4.0, shape, key=key))
@@ -141,13 +176,14 @@ def random_model(config: dict, dtype_name: str, seed: int):
             w = n
         weights[name] = w.astype(dtype)
         mx.eval(weights[name])
-    weights = net.sanitize(weights)
-    nbytes = sum(w.nbytes for w in weights.values())
-    net.update(tree_unflatten(list(weights.items())))
-    del weights
+    assign_weights(net, weights, quantization, dtype, dequantize=False)
+    nbytes = sum(w.nbytes for _, w in tree_flatten(net.parameters()))
     fuse_projections(net)
     read = Weights(
-        config=config, tensors={}, quantization={}, generation_config={"eos_token_id": []}
+        config=config,
+        tensors={},
+        quantization=quantization,
+        generation_config={"eos_token_id": []},
     )
     return Model(net, read, dtype, name="flash-next-random"), nbytes
 
@@ -302,6 +338,8 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=None)
     ap.add_argument("--spill-dir", default=None)
     ap.add_argument("--peer-max", type=int, default=8192)
+    ap.add_argument("--experts-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8])
+    ap.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--op-by-op", action="store_true", help="decode without the compiled block steps"
@@ -323,7 +361,9 @@ def main() -> None:
     dtype = args.dtype or ("float32" if mx.default_device() == mx.cpu else "bfloat16")
     config = flash_config(args.dims, args.layers, args.experts, args.ngram_base)
     t = time.perf_counter()
-    model, weights_bytes = random_model(config, dtype, args.seed)
+    model, weights_bytes = random_model(
+        config, dtype, args.seed, args.experts_bits, args.group_size
+    )
     kv = {}
     if args.kv_paged == "on":
         kv = {"kv_paged": "on", "kv_page_tokens": args.page_tokens}
@@ -336,6 +376,7 @@ def main() -> None:
         "layers": args.layers,
         "experts": config["text_config"]["num_experts"],
         "dtype": dtype,
+        "experts_bits": args.experts_bits,
         "compiled_decode": not args.op_by_op,
         "weights_bytes": weights_bytes,
         "build_seconds": time.perf_counter() - t,

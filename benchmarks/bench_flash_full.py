@@ -1,0 +1,269 @@
+"""The full Flash-Next (qwen4_exp) on one H200: 48 layers, 512 experts in 4-bit, the rest bf16.
+
+    # H200, one call (~8 min budget; weights ~78 GB = 68.0 GB 4-bit experts + 9.9 GB bf16
+    # rest, peak ~85-90 GB of the 139 GiB; host RAM stays small: weights are drawn on device):
+    python benchmarks/bench_flash_full.py --dims flash --layers 48 --experts 512 \
+        --experts-bits 4 --depth 4096 --decode 32 --runs 3 --prefill 4096,32768 \
+        --out benchmarks/results/h200/flash_full_4bit.json
+    # CPU smoke (reduced widths, 4 layers = 3 Gated DeltaNet + 1 QSA, 8 experts, fp32):
+    python benchmarks/bench_flash_full.py --dims reduced --layers 4 --experts 8 \
+        --experts-bits 4 --depth 256 --decode 8 --runs 2 --prefill 256,512
+
+The model is built in-process with random weights (bench_qsa_depth.random_model: device-side,
+a seed per tensor name, the real layout): every expert stack is drawn and MLX-affine quantized
+one at a time (group 64), and the triplets go through the loader's assign_weights as a
+quantized checkpoint's would, so the experts are QuantizedExperts (gather_qmm) and everything
+else stays in --dtype. The n-gram table is the scaled-down one of flash_config
+(--ngram-base 20000: 0.1 GB; the real 20M-base table is 102 GB in bf16, memory-mapped on the
+host by the loader, and a decoded token reads 16 of its rows either way).
+
+Measured, in this order, greedy with logits read back every token (the JSON is rewritten to
+--out after each phase, so a call cut off at its time limit still leaves a record):
+- a --depth prompt prefilled and 2 tokens decoded untimed (compiles both QSA regimes and the
+  decode steps);
+- prefill tok/s of the --depth prompt into a fresh state at the engine's default chunk
+  (Model.prefill, Model.prefill_chunk unless --chunk), then decode tok/s over --decode tokens
+  from it, median of --runs (each run rewinds to the prompt through a save point; every run
+  must decode the same tokens);
+- the bytes a decoded token reads (formula in the JSON, "bytes_per_token") and its bound at
+  --bandwidth-gbps (default: 4.8 TB/s on an H200, measured on the CPU), decode as % of bound;
+- prefill tok/s at the other --prefill lengths, a fresh state each; a length whose projected
+  time (1.5 x length / the slowest rate so far) would pass --time-budget (540 s from start)
+  is skipped and says so;
+- weight bytes (routed experts / embedding / the rest / n-gram table), peak memory of the
+  build and of the runs (mx.get_peak_memory), peak RSS, and the seconds of each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_qsa_depth import (  # noqa: E402
+    attention_bytes,
+    decode,
+    flash_config,
+    greedy,
+    prompt,
+    random_model,
+)
+from common import environment, peak_bandwidth, write_json  # noqa: E402
+
+START = time.perf_counter()
+
+FORMULA = (
+    "dense (every parameter but embed_tokens and the routed expert stacks, at their stored "
+    "size: attention / Gated DeltaNet / QSA indexer projections, norms, hyper-connections, "
+    "router, shared expert and its gate, PLE projections, lm_head) + embed_row (hidden x "
+    "itemsize) + ngram_rows (PLE layers x heads x head_dim x table itemsize) + routed_experts "
+    "(layers x top_k x (gate_up_proj + down_proj bytes incl. scales and biases) / num_experts) "
+    "+ state (linear layers: Gated DeltaNet conv + recurrent and PLE conv state, read and "
+    "written: 2 x their bytes; QSA layers: the selected K/V rows + the pooled index keys the "
+    "indexer scores, bench_qsa_depth.attention_bytes, + the new K/V row written); "
+    "bound tok/s = bandwidth / bytes"
+)
+
+
+def save(result: dict, out: str | None) -> None:
+    """The record so far (a run cut off at the call's time limit still leaves one)."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - START:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def weight_parts(model) -> dict:
+    """Bytes of the routed expert stacks, the embedding, the rest, and the n-gram tables."""
+    from mlx.utils import tree_flatten
+
+    parts = {"routed_experts": 0, "embed_tokens": 0, "dense": 0}
+    for name, w in tree_flatten(model.net.parameters()):
+        if ".mlp.experts." in name:
+            parts["routed_experts"] += w.nbytes
+        elif name.startswith("model.embed_tokens."):
+            parts["embed_tokens"] += w.nbytes
+        else:
+            parts["dense"] += w.nbytes
+    parts["ngram_table"] = sum(
+        s.nbytes for _, ple in model.net.ple_layers() for s in ple.ple_embedding.table.shards
+    )
+    return parts
+
+
+def bytes_per_token(model, state, depth: int, parts: dict) -> dict:
+    """What one decoded token at position `depth` reads (FORMULA), term by term."""
+    cfg = model.net.config
+    item = model.dtype.size
+    ples = [ple.ple_embedding for _, ple in model.net.ple_layers()]
+    ngram = sum(e.sizes.size * e.head_dim * e.table.shards[0].dtype.size for e in ples)
+    layers = len(cfg.layer_types)
+    routed = cfg.num_experts_per_tok * parts["routed_experts"] // cfg.num_experts
+    linear = sum(
+        s.nbytes()
+        for s, t in zip(state.layers, cfg.layer_types, strict=True)
+        if t == "linear_attention"
+    )
+    n_qsa = layers - sum(1 for t in cfg.layer_types if t == "linear_attention")
+    new_row = n_qsa * (2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim) * item
+    terms = {
+        "dense": parts["dense"],
+        "embed_row": cfg.hidden_size * item,
+        "ngram_rows": ngram,
+        "routed_experts": routed,
+        "state": 2 * linear + attention_bytes(model, depth, item) + new_row,
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def timed_prefill(model, ids: list[int], chunk: int, kv: dict) -> tuple[float, object, object]:
+    """(tok/s, state, last logits): ids into a fresh state with the engine's chunked prefill."""
+    import mlx.core as mx
+
+    state = model.new_state(**kv)
+    t = time.perf_counter()
+    last = model.prefill(ids, state, chunk=chunk)
+    mx.eval(last)
+    return len(ids) / (time.perf_counter() - t), state, last
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dims", default="reduced", choices=["reduced", "flash"])
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=None, help="default: 512 flash, 8 reduced")
+    ap.add_argument("--experts-bits", type=int, default=4, choices=[0, 2, 3, 4, 5, 6, 8])
+    ap.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    ap.add_argument("--ngram-base", type=int, default=None)
+    ap.add_argument("--depth", type=int, default=4096)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefill", default="4096,32768", help="prefill lengths (comma list)")
+    ap.add_argument("--chunk", type=int, default=None, help="default: Model.prefill_chunk")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--kv-paged", default="off", choices=["on", "off"], help="engine default")
+    ap.add_argument("--bandwidth-gbps", type=float, default=None)
+    ap.add_argument("--time-budget", type=float, default=540.0, help="seconds for the run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.prefill.split(",") if x]
+    if args.layers < 2:
+        ap.error("--layers: at least 2 (the PLE layer is the 2nd)")
+    if min([args.depth, args.decode, args.runs, *lengths]) < 1:
+        ap.error("--depth, --decode, --runs and --prefill must be positive")
+
+    import mlx.core as mx
+
+    dtype = args.dtype or ("float32" if mx.default_device() == mx.cpu else "bfloat16")
+    experts = args.experts or (512 if args.dims == "flash" else 8)
+    config = flash_config(args.dims, args.layers, experts, args.ngram_base)
+    log(f"building {args.dims} x {args.layers} layers, {experts} experts, {dtype}")
+    t = time.perf_counter()
+    model, weights_bytes = random_model(
+        config, dtype, args.seed, args.experts_bits or None, args.group_size, log=log
+    )
+    build_s = time.perf_counter() - t
+    parts = weight_parts(model)
+    build_peak = mx.get_peak_memory()
+    log(f"built in {build_s:.1f}s: {weights_bytes / 1e9:.2f} GB, peak {build_peak / 1e9:.2f} GB")
+    mx.reset_peak_memory()
+    kv = {"kv_paged": "on"} if args.kv_paged == "on" else {}
+    chunk = args.chunk or model.prefill_chunk
+    vocab = config["text_config"]["vocab_size"]
+    bandwidth, bandwidth_source = peak_bandwidth(args.bandwidth_gbps)
+
+    result = {
+        "environment": environment(),
+        "dims": args.dims,
+        "layers": args.layers,
+        "experts": experts,
+        "top_k": config["text_config"]["num_experts_per_tok"],
+        "ngram_vocab_size_base": config["text_config"]["ngram_vocab_size_base"],
+        "dtype": dtype,
+        "experts_quantization": (
+            {"bits": args.experts_bits, "group_size": args.group_size, "mode": "affine"}
+            if args.experts_bits
+            else None
+        ),
+        "experts_module": type(model.net.model.layers[0].mlp.experts).__name__,
+        "kv_options": kv,
+        "prefill_chunk": chunk,
+        "weights_bytes": weights_bytes,
+        "weights_bytes_parts": parts,
+        "build_seconds": build_s,
+        "build_peak_memory_bytes": build_peak,
+        "bytes_per_token_formula": FORMULA,
+        "bandwidth_bytes_per_second": bandwidth,
+        "bandwidth_source": bandwidth_source,
+    }
+    save(result, args.out)
+
+    # the depth prompt once untimed: compiles prefill (both QSA regimes) and the decode steps
+    t = time.perf_counter()
+    _, warm, last = timed_prefill(model, prompt(args.depth, vocab), chunk, kv)
+    decode(model, warm, greedy(last), 2)
+    del warm
+    result["warmup_seconds"] = time.perf_counter() - t
+    log(f"warm-up {result['warmup_seconds']:.1f}s")
+
+    tps, state, last = timed_prefill(model, prompt(args.depth, vocab), chunk, kv)
+    prefill = result["prefill_tokens_per_second"] = {str(args.depth): tps}
+    log(f"prefill {args.depth}: {tps:.1f} tok/s")
+    first = greedy(last)
+    state.save_point()
+    runs, outs = [], []
+    for _ in range(args.runs):
+        tps, toks, _ = decode(model, state, first, args.decode)
+        runs.append(tps)
+        outs.append(toks)
+        state.truncate(args.depth)
+    reads = bytes_per_token(model, state, args.depth, parts)
+    median = statistics.median(runs)
+    bound = bandwidth / reads["total"]
+    log(f"decode at {args.depth}: {median:.2f} tok/s, bound {bound:.1f} ({median / bound:.1%})")
+    result["decode"] = {
+        "depth": args.depth,
+        "tokens": args.decode,
+        "tokens_per_second": {"median": median, "runs": runs},
+        "runs_identical": all(o == outs[0] for o in outs),
+        "decoded": outs[0],
+        "state_bytes": state.nbytes(),
+    }
+    result["bytes_per_token"] = reads
+    result["decode_bound_tokens_per_second"] = bound
+    result["decode_percent_of_bound"] = 100 * median / bound
+    del state
+    mx.clear_cache()
+    save(result, args.out)
+
+    for n in sorted(x for x in lengths if x != args.depth):
+        rate = min(v for v in prefill.values() if isinstance(v, float))
+        projected = 1.5 * n / rate  # longer prompts prefill slower: QSA selection grows
+        if time.perf_counter() - START + projected > args.time_budget:
+            prefill[str(n)] = f"skipped: ~{projected:.0f}s projected past --time-budget"
+            log(f"prefill {n}: {prefill[str(n)]}")
+            continue
+        tps, state, _ = timed_prefill(model, prompt(n, vocab), chunk, kv)
+        prefill[str(n)] = tps
+        log(f"prefill {n}: {tps:.1f} tok/s")
+        del state
+        mx.clear_cache()
+        save(result, args.out)
+    result["run_peak_memory_bytes"] = mx.get_peak_memory()
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["total_seconds"] = time.perf_counter() - START
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
