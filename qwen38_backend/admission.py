@@ -10,7 +10,8 @@ config and the options alone (a config dict is enough: `qwen38 info MODEL --cont
 - kv: K and V of every attention layer for the rows the store allocates. Which store, and
   its pool, is `kv.choose_kv` (the KV factory's own decision): the contiguous store grows in
   steps of 256 rows; the paged store in whole pages (growth simulated over the prefill chunks
-  and decode steps with the pool's own `grown_capacity`) up to its pool: `kv_pool_tokens`,
+  and decode steps with the pool's own `grown_capacity`; after the first chunk the engine
+  reserves room for the whole context at once, Model.prefill) up to its pool: `kv_pool_tokens`,
   or the auto pool (`kv.policy.auto_pool_tokens` of the memory available, less the weights
   when they are not loaded yet).
 - kv_spill (disk): with a pool smaller than the context, the spill file can come to hold
@@ -198,25 +199,38 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _contiguous_rows(schedule: list[int]) -> tuple[int, int]:
-    """(capacity rows, rows of the buffer replaced at the last growth) of a step-256 store."""
+def _contiguous_rows(schedule: list[int], reserve_to: int = 0) -> tuple[int, int]:
+    """(capacity rows, rows of the buffer replaced at the last growth) of a step-256 store;
+    after the first append it reserves room for `reserve_to` rows (Model.prefill)."""
     cap = length = last_old = 0
-    for n in schedule:
-        need = length + n
+
+    def grow(need: int) -> None:
+        nonlocal cap, last_old
         if need > cap:
             last_old = length  # _reserve keeps keys[:length] alive while concatenating
-            cap += _ceil(need - cap, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
-        length = need
+            cap = _ceil(need, CONTIGUOUS_STEP) * CONTIGUOUS_STEP
+
+    for i, n in enumerate(schedule):
+        grow(length + n)
+        length += n
+        if i == 0:
+            grow(reserve_to)
     return cap, last_old
 
 
-def _paged_pages(schedule: list[int], page: int, max_pages: int | None) -> tuple[int, int]:
+def _paged_pages(
+    schedule: list[int], page: int, max_pages: int | None, reserve_to: int = 0
+) -> tuple[int, int]:
     """(capacity pages, pages before the last growth) of the pool: the pool's own growth rule
-    (kv.pool.grown_capacity), stopping at its bound."""
+    (kv.pool.grown_capacity), stopping at its bound; after the first append it reserves
+    room for `reserve_to` tokens (Model.prefill, PagePool.reserve)."""
     cap = length = last_old = 0
-    for n in schedule:
+    for i, n in enumerate(schedule):
         length += n
         new = grown_capacity(cap, _ceil(length, page), max_pages)
+        if i == 0 and reserve_to > length:
+            reserved = grown_capacity(new, _ceil(reserve_to, page), None)
+            new = reserved if max_pages is None else min(reserved, max_pages)
         if new > cap:
             last_old, cap = cap, new
     return cap, last_old
@@ -341,7 +355,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
                 if tokens is None
                 else f"auto pool {max_pages * P:,} tokens of {available:,} B available"
             )
-        pages, old_pages = _paged_pages(schedule, P, max_pages)
+        pages, old_pages = _paged_pages(schedule, P, max_pages, context)
         rows, old_rows = pages * P, old_pages * P
         plan.pool_pages = max_pages
         how = f"paged, {P}-token pages, {pages} slots per layer; {pool_how}"
@@ -365,7 +379,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
             if n_sel < total_pages:
                 plan.selection_pages = n_sel
     else:
-        rows, old_rows = _contiguous_rows(schedule)
+        rows, old_rows = _contiguous_rows(schedule, context)
         how = f"contiguous, {rows} rows (steps of {CONTIGUOUS_STEP})"
     add(
         Component(
@@ -423,8 +437,9 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
 
     # --- QSA indexer keys and selection scratch
     if qsa:
-        raw_rows, raw_old = _contiguous_rows(schedule)
-        pooled_rows, pooled_old = _contiguous_rows(_block_schedule(schedule, ratio))
+        raw_rows, raw_old = _contiguous_rows(schedule, context)
+        blocks = _block_schedule(schedule, ratio)
+        pooled_rows, pooled_old = _contiguous_rows(blocks, context // ratio)
         raw = n_attn * raw_rows * idx_dim * act
         pooled = n_attn * pooled_rows * idx_dim * act
         growth = max(raw_old, pooled_old) * idx_dim * act  # one layer's buffer at a time

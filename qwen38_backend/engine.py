@@ -146,8 +146,10 @@ class Model:
         chunk: int | None = None,
         cancel: threading.Event | None = None,
         observe: Callable[[mx.array, list[int], int], None] | None = None,
+        then: int = 0,
     ) -> mx.array:
         """Feed ids in chunks (bounded activation memory); return the last position's logits.
+        `then`: tokens expected to follow (the decode budget), given room with the prompt.
 
         A set `cancel` raises Cancelled between chunks; the state then holds the chunks fed so
         far (a consistent, shorter prefix). `observe(features, chunk_ids, start)` sees every
@@ -168,6 +170,10 @@ class Model:
                 mx.eval(feats)
                 observe(feats, part, at)
             mx.eval(logits, *state_arrays(state))
+            if start == 0 and len(ids) + then > len(part):
+                # The first chunk sized the stores; room for the rest of the prompt and the
+                # decode now, in one allocation, instead of growing (x1.5, copying) as they come.
+                state.reserve(len(ids) + then - len(part))
         return logits[-1]
 
     def logits(self, token_ids: Iterable[int]) -> np.ndarray:
@@ -202,7 +208,8 @@ class Model:
 
     def _run(self, ids, state, params, stats, draft=None) -> Iterator[int]:
         t0 = time.perf_counter()
-        logits = self.prefill(ids, state, observe=speculative.prefill_observer(self, state, draft))
+        observer = speculative.prefill_observer(self, state, draft)
+        logits = self.prefill(ids, state, observe=observer, then=params.max_tokens or 0)
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:

@@ -217,11 +217,15 @@ class Session:
         t0 = time.perf_counter()
         observe = speculative.prefill_observer(self.model, state, draft)
         try:
+            then = params.max_tokens or 0  # reserved with the prompt (Model.prefill)
             if state.offset < boundary < len(ids):
                 part = ids[state.offset : boundary]
-                self.model.prefill(part, state, cancel=cancel, observe=observe)
+                rest = len(ids) - boundary + then
+                self.model.prefill(part, state, cancel=cancel, observe=observe, then=rest)
                 self._mark(state, pending, recurrent)
-            logits = self.model.prefill(ids[state.offset :], state, cancel=cancel, observe=observe)
+            logits = self.model.prefill(
+                ids[state.offset :], state, cancel=cancel, observe=observe, then=then
+            )
         except Cancelled:
             stats.finish_reason = "cancelled"
             stats.prefill_seconds = time.perf_counter() - t0

@@ -101,6 +101,21 @@ def test_paged_plan_counts_pages_and_quest_metadata(dense):
     assert spill.ram == memory_plan(dense, 1000, kv_pool_tokens=256, prompt_tokens=1000).ram
 
 
+def test_prefill_reserves_the_prompt_and_the_decode_at_once(dense):
+    """After the first chunk the pool gets room for the prompt and max_tokens in one
+    allocation (no x1.5 growths, no copies on the way), and the plan counts exactly that."""
+    from qwen38_backend.sampling import SamplingParams
+
+    n, m = 3000, 20
+    state = dense.new_state(kv_paged="on", kv_page_tokens=8)
+    params = SamplingParams(max_tokens=m, stop_token_ids=[])
+    assert len(list(dense.run([i % 400 + 10 for i in range(n)], state, params))) == m
+    pools = [layer.pool for layer in state.layers]
+    assert all(pool.capacity == -(-(n + m) // 8) for pool in pools)
+    plan = memory_plan(dense, n + m, kv_paged="on", kv_page_tokens=8, prompt_tokens=n)
+    assert plan["kv"] == sum(pool.nbytes() for pool in pools)
+
+
 def test_session_refuses_before_allocating(dense):
     session = dense.session(cache=False, memory_limit=1000)
     gc.collect()  # engine.state_arrays leaves arrays in a closure cycle until collected
@@ -246,7 +261,7 @@ def test_auto_pool_and_its_last_growth_fit_what_it_was_given(dense, context):
 def test_refusal_names_a_pool_that_fits(dense):
     """Over memory with the paged store: the refusal names a kv_pool_tokens, and the plan
     with that pool is admitted with the same memory (the rest spills to disk)."""
-    context, available = 400_000, 600 * 2**20
+    context, available = 400_000, 500 * 2**20
     plan = memory_plan(dense, context, kv_paged="on", kv_pool_tokens=context, dtype="float32")
     with pytest.raises(AdmissionError, match=r"kv_pool_tokens=([\d,]+) fits") as err:
         admit(plan, available, include_weights=False, disk_available=10**12)

@@ -184,7 +184,9 @@ class QSAState:
         cap = 0 if buf is None else buf.shape[0]
         if need <= cap:
             return buf
-        grow = mx.zeros((-(-(need - cap) // self.step) * self.step, like.shape[1]), like.dtype)
+        # `need` rounded up to whole steps; the `used` rows are kept (as ContiguousKV)
+        total = -(-need // self.step) * self.step
+        grow = mx.zeros((total - used, like.shape[1]), like.dtype)
         return grow if buf is None else mx.concatenate([buf[:used], grow])
 
     def append_raw(self, keys: mx.array) -> None:
