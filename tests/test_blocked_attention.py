@@ -43,6 +43,24 @@ def test_blocked_equals_one_shot(past, T, block):
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_blocks_err_like_the_fused_attention():
+    """A bf16 store's walk runs its matmuls in bf16 (the carry in fp32): against fp32
+    attention it errs about as much as the fused bf16 attention does, no more."""
+    rng = np.random.default_rng(3)
+    hq, hkv, T, past, d = 8, 2, 32, 1000, 64
+    q = rand(rng, 1, hq, T, d, scale=2)
+    keys, values = rand(rng, 1, hkv, past + T, d, scale=2), rand(rng, 1, hkv, past + T, d)
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask="causal")
+    qb, kb, vb = (a.astype(mx.bfloat16) for a in (q, keys, values))
+    fused = mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=0.125, mask="causal")
+    blocks = [(kb[:, :, a:b], vb[:, :, a:b]) for a, b in spans(past, 128)]
+    out = blocked_attention(qb, blocks, kb[:, :, past:], vb[:, :, past:], 0.125)
+    assert out.dtype == mx.bfloat16
+    err = mx.abs(out.astype(mx.float32) - ref).max().item()
+    fused_err = mx.abs(fused.astype(mx.float32) - ref).max().item()
+    assert 0 < err <= 2 * fused_err, (err, fused_err)
+
+
 def test_blocked_peak_memory_does_not_grow_with_the_past():
     hq, hkv, T, d, block = 8, 2, 128, 32, 512
     peaks = []

@@ -10,7 +10,9 @@ running sum `l` (`total`) of exp(s - m) and an fp32 accumulator of exp(s - m) @ 
     acc' = acc * exp(m - m') + exp(s - m') @ V
 
 Peak memory is then O(T x block). The chunk's own keys come last, under the causal mask.
-The result equals one-shot softmax attention up to fp32 rounding, in any block order.
+The result equals one-shot softmax attention up to fp32 rounding, in any block order (the
+two matmuls run in the store's dtype: for a bf16 store, bf16 rounding of scores, as in the
+fused SDPA).
 
 Stores call `attend_past(q, past_len, blocks, k, v, scale)`: when the past fits one block
 (or the scores are small: ONE_SHOT_BYTES) it runs one `scaled_dot_product_attention` over
@@ -43,28 +45,47 @@ SCORE_BLOCKS_LIVE = 9
 Block = tuple[mx.array, mx.array] | tuple[mx.array, mx.array, bool]
 
 
+def _first(s: mx.array, vb: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The carry of a first block from its fp32 scores s [Hkv, G*T, B]."""
+    m = s.max(axis=-1, keepdims=True)
+    p = mx.exp(s - m)
+    return m, p.sum(axis=-1, keepdims=True), (p.astype(vb.dtype) @ vb).astype(mx.float32)
+
+
+def _merge(
+    s: mx.array, vb: mx.array, m: mx.array, total: mx.array, acc: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The carry (m, total, acc) after one more block of fp32 scores s."""
+    m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
+    alpha = mx.exp(m - m_new)
+    p = mx.exp(s - m_new)
+    total = total * alpha + p.sum(axis=-1, keepdims=True)
+    acc = acc * alpha + (p.astype(vb.dtype) @ vb).astype(mx.float32)
+    return m_new, total, acc
+
+
+# One fused graph per block shape: the elementwise chain is a few kernels, not a dozen
+# (a GPU walk over a long past is otherwise bound by launches).
+_first_compiled, _merge_compiled = mx.compile(_first), mx.compile(_merge)
+
+
 def _carry_step(
-    qf: mx.array,
+    qs: mx.array,
     kb: mx.array,
     vb: mx.array,
     carry: tuple[mx.array, mx.array, mx.array] | None,
     mask: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """One block into the carry. qf [Hkv, G*T, D] fp32 (pre-scaled); kb, vb [Hkv, B, D]."""
-    s = qf @ kb.astype(mx.float32).swapaxes(1, 2)  # [Hkv, G*T, B]
+    """One block into the carry. qs [Hkv, G*T, D] pre-scaled; kb, vb [Hkv, B, D].
+
+    The two matmuls run in the store's dtype (tensor cores for bf16, as the fused SDPA of
+    this backend does), the softmax carry in fp32; an fp32 store is fp32 throughout."""
+    s = (qs @ kb.swapaxes(1, 2)).astype(mx.float32)  # [Hkv, G*T, B]
     if mask is not None:
         s = mx.where(mask, s, mx.array(-mx.inf, mx.float32))
-    m_blk = s.max(axis=-1, keepdims=True)
     if carry is None:
-        p = mx.exp(s - m_blk)
-        return m_blk, p.sum(axis=-1, keepdims=True), p @ vb.astype(mx.float32)
-    m, total, acc = carry
-    m_new = mx.maximum(m, m_blk)
-    alpha = mx.exp(m - m_new)
-    p = mx.exp(s - m_new)
-    total = total * alpha + p.sum(axis=-1, keepdims=True)
-    acc = acc * alpha + p @ vb.astype(mx.float32)
-    return m_new, total, acc
+        return _first_compiled(s, vb)
+    return _merge_compiled(s, vb, *carry)
 
 
 def blocked_attention(
@@ -79,14 +100,15 @@ def blocked_attention(
     _, hq, T, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    # Queries of one KV group side by side: [Hkv, G*T, D], scaled once.
-    qf = (q[0].astype(mx.float32) * scale).reshape(hkv, group * T, d)
+    # Queries of one KV group side by side: [Hkv, G*T, D], scaled once (in fp32, then
+    # rounded to the keys' dtype for the matmuls).
+    qs = (q[0].astype(mx.float32) * scale).astype(k.dtype).reshape(hkv, group * T, d)
     carry = None
     for i, block in enumerate(blocks):
         kb, vb = block[0], block[1]
         if kb.shape[2] == 0:
             continue
-        carry = _carry_step(qf, kb[0], vb[0], carry)
+        carry = _carry_step(qs, kb[0], vb[0], carry)
         if (len(block) > 2 and block[2]) or (i + 1) % EVAL_EVERY_BLOCKS == 0:
             # A transient block (read from disk) is freed at once; resident ones every few
             # blocks, so the graph never holds more than a few blocks' scores.
@@ -94,7 +116,7 @@ def blocked_attention(
     # The chunk itself: query row r (position r % T within the chunk) sees keys <= r % T.
     rows = mx.arange(T)[:, None] >= mx.arange(T)[None, :]  # [T, T]
     mask = mx.broadcast_to(rows[None], (group, T, T)).reshape(1, group * T, T)
-    _, total, acc = _carry_step(qf, k[0], v[0], carry, mask)
+    _, total, acc = _carry_step(qs, k[0], v[0], carry, mask)
     out = (acc / total).reshape(1, hq, T, v.shape[3])
     return out.astype(q.dtype)
 
