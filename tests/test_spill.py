@@ -152,7 +152,7 @@ def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path):
 
 
 def test_decode_evictions_find_pages_already_written(tmp_path, monkeypatch):
-    """A fetch evicts pages; the next append writes the reserve behind again, so a decode
+    """A fetch evicts pages; the next selection writes the reserve behind again, so a decode
     step's evictions find pages already on disk instead of writing them while it waits."""
     from qwen38_backend.kv.spill import SpillRegion
 

@@ -113,6 +113,7 @@ class PagedKV:
     def _reset(self) -> None:
         self.table.clear()
         self._behind_at = 0
+        self._refill = False  # a fetch evicted pages: top up the written reserve
         self.length = 0
         self.kmin: mx.array | None = None  # [Hkv, meta_capacity, D] fp32, by logical page
         self.kmax: mx.array | None = None
@@ -165,15 +166,12 @@ class PagedKV:
             "context"
         )
 
-    def _write_behind(self) -> None:
-        """Keep a quarter of a bounded pool empty or on disk, so evictions need not wait
-        for writes: queue the least recently used dirty sealed pages (not waited for)."""
+    def _behind_pages(self) -> list[int]:
+        """Least recently used dirty sealed pages to queue for the spill file, so that a
+        quarter of a bounded pool is empty or on disk and evictions need not wait for writes."""
         region, pool = self.table.spill, self.pool
         if region is None or pool.max_pages is None or region.failed:
-            return
-        if self.table.n_sealed == self._behind_at:
-            return  # nothing sealed since the last look
-        self._behind_at = self.table.n_sealed
+            return []
         reserve = max(pool.max_pages // 4, 1)
         ready = pool.free_slots + pool.max_pages - pool.capacity
         todo = []
@@ -185,6 +183,14 @@ class PagedKV:
                 if not region.is_pending(page):
                     todo.append(page)
                 ready += 1
+        return todo
+
+    def _write_behind(self) -> None:
+        """Queue _behind_pages() (not waited for) when pages were sealed since the last look."""
+        if self.table.n_sealed == self._behind_at:
+            return
+        self._behind_at = self.table.n_sealed
+        todo = self._behind_pages()
         if todo:
             self.table.write_behind(todo)
 
@@ -351,15 +357,16 @@ class PagedKV:
         P = self.page_tokens
         dtype = self.pool.k.dtype
         rows = (mx.array(slots, dtype=mx.int32)[:, None] * P + mx.arange(P)).reshape(-1)
-        # One host-to-device copy per tensor, not one per page.
-        keys = np.concatenate([data[p][0] for p in pages], axis=1)
-        values = np.concatenate([data[p][1] for p in pages], axis=1)
-        self.pool.k[:, rows] = from_host(keys, dtype)
-        self.pool.v[:, rows] = from_host(values, dtype)
+        # One host-to-device copy for all of them: [K|V, Hkv, n * P, D].
+        both = from_host(
+            np.stack([np.concatenate([data[p][i] for p in pages], 1) for i in (0, 1)]), dtype
+        )
+        self.pool.k[:, rows] = both[0]
+        self.pool.v[:, rows] = both[1]
         self.table.place(pages, slots)
-        # The allocations evicted pages: the next append tops the written reserve up again,
-        # so later evictions find clean pages instead of writing them out synchronously.
-        self._behind_at = -1
+        # The allocations evicted pages: the next selection tops the written reserve up
+        # again, so later evictions find clean pages instead of writing them while they wait.
+        self._refill = True
         return slots
 
     def selection_size(self) -> tuple[int, int]:
@@ -467,6 +474,12 @@ class PagedKV:
     def _resident_selection(self, pages: mx.array) -> list[int]:
         """Make every selected page resident: pin the resident ones, fetch the misses (the
         pins keep those allocations from evicting the selection). Returns the pinned slots."""
+        behind = self._behind_pages() if self._refill else []
+        self._refill = False
+        gathered = self.table.gather_pages([self.table.slots[p] for p in behind]) if behind else ()
+        mx.eval(pages, *gathered)  # one wait: the selection and the pages to write behind
+        if behind:
+            self.table.write_behind(behind, gathered)
         wanted = np.unique(np.array(pages)).tolist()  # the selection is read on the host
         slots = self.table.slots
         resident = [slots[p] for p in wanted if slots[p] != SPILLED]

@@ -92,17 +92,27 @@ class PageTable:
         self.n_sealed = max(self.n_sealed, n_sealed)
 
     # ----- eviction (called by the pool) and the spill tier --------------------------------
-    def page_rows(self, slots: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """K and V of the pages in `slots` as host arrays [Hkv, page_tokens, D] (one
-        device-to-host copy for all of them)."""
+    def gather_pages(self, slots: list[int]) -> tuple[mx.array, mx.array]:
+        """K and V of the pages in `slots`, [Hkv, n * page_tokens, D] (lazy)."""
         P = self.pool.page_tokens
         rows = (mx.array(slots, dtype=mx.int32)[:, None] * P + mx.arange(P)).reshape(-1)
-        k, v = to_host(self.pool.k[:, rows]), to_host(self.pool.v[:, rows])
+        return self.pool.k[:, rows], self.pool.v[:, rows]
+
+    def page_rows(
+        self, slots: list[int], gathered: tuple[mx.array, mx.array] | None = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """K and V of the pages in `slots` as host arrays [Hkv, page_tokens, D] (one
+        device-to-host copy for all of them; `gathered`: their gather_pages, if made)."""
+        P = self.pool.page_tokens
+        k, v = gathered if gathered is not None else self.gather_pages(slots)
+        k, v = to_host(k), to_host(v)
         return [(k[:, i * P : (i + 1) * P], v[:, i * P : (i + 1) * P]) for i in range(len(slots))]
 
-    def write_behind(self, pages: list[int]) -> None:
+    def write_behind(
+        self, pages: list[int], gathered: tuple[mx.array, mx.array] | None = None
+    ) -> None:
         """Queue resident sealed pages for the spill file (not waited for)."""
-        data = self.page_rows([self.slots[p] for p in pages])
+        data = self.page_rows([self.slots[p] for p in pages], gathered)
         for page, (k, v) in zip(pages, data, strict=True):
             self.spill.submit(page, k, v)
 
