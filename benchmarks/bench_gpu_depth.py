@@ -88,6 +88,11 @@ def main() -> None:
     )
     ap.add_argument("--spill-dir", default=None, help="kv_spill_dir")
     ap.add_argument("--page-tokens", type=int, default=None, help="kv_page_tokens")
+    ap.add_argument(
+        "--no-dense",
+        action="store_true",
+        help="skip the dense decode (with spilled pages it streams the whole past from disk)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
@@ -141,7 +146,7 @@ def main() -> None:
         state.truncate(length)
         for layer in attention_layers(state):
             layer.budget_pages = 1 << 30  # covers everything: dense attention through pages
-        dense = decode(model, state, first, args.decode)
+        dense = None if args.no_dense else decode(model, state, first, args.decode)
         row = {
             "prefill_tok_s": length / seconds,
             "prefill_seconds": seconds,
@@ -155,7 +160,8 @@ def main() -> None:
             "spill_reads": spill,
         }
         dense_bytes = weights_bytes + kv_bytes
-        row["dense_fraction_of_bound"] = dense * dense_bytes / (args.bound_gbps * 1e9)
+        if dense is not None:
+            row["dense_fraction_of_bound"] = dense * dense_bytes / (args.bound_gbps * 1e9)
         result["lengths"][str(length)] = row
         print(json.dumps({str(length): row}), flush=True)
         del state, logits
