@@ -72,8 +72,10 @@ def main() -> None:
         ("spilled", {"kv_pool_tokens": args.pool_tokens, "kv_spill_dir": spill_dir}),
     ):
         state = model.new_state(**kv, **extra)
+        t = time.perf_counter()
         logits = model.prefill(prompt(args.length, vocab), state)
         first = int(mx.argmax(logits).item())
+        prefill_seconds = time.perf_counter() - t
         step_times(model, state, first, 4)  # warm: compiles the decode graph
         profile = cProfile.Profile() if label == "spilled" else None
         if profile:
@@ -87,6 +89,8 @@ def main() -> None:
             if hasattr(layer, "budget_pages")
         )
         row = {
+            "prefill_seconds": prefill_seconds,
+            "prefill_chunk": model.prefill_chunk,
             "first_step_s": times[0],
             "median_step_s": statistics.median(times[1:]),
             "tok_s_after_first": (len(times) - 1) / sum(times[1:]),
