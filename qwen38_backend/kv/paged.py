@@ -113,7 +113,7 @@ class PagedKV:
     def _reset(self) -> None:
         self.table.clear()
         self._behind_at = 0
-        self._refill = False  # a fetch evicted pages: top up the written reserve
+        self._fetched = 0  # pages fetched (so evicted) since the written reserve was topped up
         self.length = 0
         self.kmin: mx.array | None = None  # [Hkv, meta_capacity, D] fp32, by logical page
         self.kmax: mx.array | None = None
@@ -172,18 +172,18 @@ class PagedKV:
         region, pool = self.table.spill, self.pool
         if region is None or pool.max_pages is None or region.failed:
             return []
-        reserve = max(pool.max_pages // 4, 1)
-        ready = pool.free_slots + pool.max_pages - pool.capacity
-        todo = []
+        need = self._behind_reserve() - (pool.free_slots + pool.max_pages - pool.capacity)
+        candidates = []
         for slot in pool.eviction_order():
-            if ready >= reserve:
+            if len(candidates) >= need:
                 break
             owner, page = pool.owner_of(slot)
             if owner is self.table:
-                if not region.is_pending(page):
-                    todo.append(page)
-                ready += 1
-        return todo
+                candidates.append(page)
+        return region.unqueued(candidates)
+
+    def _behind_reserve(self) -> int:
+        return max((self.pool.max_pages or 0) // 4, 1)
 
     def _write_behind(self) -> None:
         """Queue _behind_pages() (not waited for) when pages were sealed since the last look."""
@@ -364,9 +364,10 @@ class PagedKV:
         self.pool.k[:, rows] = both[0]
         self.pool.v[:, rows] = both[1]
         self.table.place(pages, slots)
-        # The allocations evicted pages: the next selection tops the written reserve up
-        # again, so later evictions find clean pages instead of writing them while they wait.
-        self._refill = True
+        # The allocations evicted pages: once they used half the written reserve, the next
+        # selection tops it up, so evictions find clean pages instead of writing them while
+        # they wait (and the eviction order is scanned every few steps, not every step).
+        self._fetched += len(pages)
         return slots
 
     def selection_size(self) -> tuple[int, int]:
@@ -474,8 +475,9 @@ class PagedKV:
     def _resident_selection(self, pages: mx.array) -> list[int]:
         """Make every selected page resident: pin the resident ones, fetch the misses (the
         pins keep those allocations from evicting the selection). Returns the pinned slots."""
-        behind = self._behind_pages() if self._refill else []
-        self._refill = False
+        behind = []
+        if self._fetched and self._fetched >= self._behind_reserve() // 2:
+            behind, self._fetched = self._behind_pages(), 0
         gathered = self.table.gather_pages([self.table.slots[p] for p in behind]) if behind else ()
         mx.eval(pages, *gathered)  # one wait: the selection and the pages to write behind
         if behind:

@@ -316,9 +316,17 @@ class SpillRegion:
             return v is not None and self.done.get(page) == v
 
     def is_pending(self, page: int) -> bool:
+        return not self.unqueued([page])
+
+    def unqueued(self, pages: list[int]) -> list[int]:
+        """Those of `pages` neither on disk nor queued in their current version (one lock)."""
         with self.io.cond:
-            v = self.version.get(page)
-            return v is not None and (self.done.get(page) == v or self.pending.get(page) == v)
+            out = []
+            for page in pages:
+                v = self.version.get(page)
+                if v is None or (self.done.get(page) != v and self.pending.get(page) != v):
+                    out.append(page)
+            return out
 
     def _written(self, page: int, version: int) -> None:
         # writer thread, under io.cond: a stale version (rewound meanwhile) does not count

@@ -36,6 +36,8 @@ class SpillTier(Protocol):
 
     def is_pending(self, page: int) -> bool: ...
 
+    def unqueued(self, pages: list[int]) -> list[int]: ...
+
 
 class PageTable:
     """Logical pages of one store mapped to slots of its pool (or SPILLED)."""
@@ -46,7 +48,7 @@ class PageTable:
         self.slots: list[int] = []  # logical page -> slot, or SPILLED
         self.n_sealed = 0  # pages [0, n_sealed) are full and sealed
         self.n_spilled = 0
-        self._identity = True
+        self._identity: bool | None = True  # None: not known since the last change
         self._array: mx.array | None = None
 
     def __len__(self) -> int:
@@ -54,12 +56,14 @@ class PageTable:
 
     def _changed(self) -> None:
         self._array = None
-        self._identity = self.slots == list(range(len(self.slots)))
+        self._identity = None
         self.n_spilled = self.slots.count(SPILLED)
 
     @property
     def identity(self) -> bool:
         """Every page resident with table[i] == i: rows are plain slices of the pool."""
+        if self._identity is None:  # decided when asked: a decode step evicts many times
+            self._identity = self.slots == list(range(len(self.slots)))
         return self._identity
 
     def array(self) -> mx.array:
@@ -126,7 +130,9 @@ class PageTable:
             if not self.spill.ensure_written(page, k, v):
                 return False
         self.slots[page] = SPILLED
-        self._changed()
+        self.n_spilled += 1  # counted, not recounted: evictions come by the hundred
+        self._array = None
+        self._identity = False
         return True
 
     def place(self, pages: list[int], slots: list[int]) -> None:
