@@ -70,18 +70,63 @@ def test_compiled_step_sees_replaced_weights(tmp_path, op_by_op):
     np.testing.assert_allclose(after, decode_logits(net, ids, 4), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_flash_next_compiled_step_equals_op_by_op(tmp_path, monkeypatch, paged):
-    """Flash-Next's compiled Gated DeltaNet and MoE steps (past QSA's dense threshold, so the
-    QSA layers select) give the op-by-op step's logits bit for bit on this CPU."""
+def tiny_flash_next(tmp_path):
     import qwen38_backend
-    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
     from qwen38_backend.testing import make_tiny_weights
 
-    net = qwen38_backend.load(str(make_tiny_weights("qwen4_exp", tmp_path / "f", seed=3))).net
+    return qwen38_backend.load(str(make_tiny_weights("qwen4_exp", tmp_path / "f", seed=3))).net
+
+
+def detour_then_decode(net, ids: list[int], steps: int, factory) -> np.ndarray:
+    """decode_logits after a detour: the last `steps` tokens are decoded in reverse order
+    first, then the state rewinds to the prompt (a save point) and decodes them in order, so
+    the QSA index buffers hold stale rows past the visible blocks."""
+    state = net.make_state(kv_factory=factory)
+    head = ids[:-steps]
+    net(mx.array(head), state, last_only=True)
+    state.advance(head)
+    state.save_point()
+    for token in reversed(ids[-steps:]):
+        net(mx.array([token]), state, last_only=True)
+        state.advance([token])
+    state.truncate(len(head))
+    rows = []
+    for token in ids[-steps:]:
+        rows.append(net(mx.array([token]), state, last_only=True)[-1])
+        state.advance([token])
+    return np.array(mx.stack(rows))
+
+
+def compiled_methods(module) -> set[str]:
+    return set(module.__dict__.get("_compiled_methods", {}))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_next_compiled_step_equals_op_by_op(tmp_path, monkeypatch, paged):
+    """Flash-Next's compiled decode steps (whole Gated DeltaNet layers; QSA before and after
+    its gather, its selection and block pooling; PLE's mixing; the final stream mix) give the
+    op-by-op step's logits bit for bit on this CPU: past QSA's dense threshold (the QSA layers
+    select), with index buffers grown while decoding (2-row steps: a new compiled selection
+    per capacity) and stale rows in them after a rewind. (Both modes run the selection
+    compiled, as both run Gated DeltaNet's compiled core: test_qwen4_exp compares it with the
+    op-by-op selection and the mask.)"""
+    from qwen38_backend.models.qsa import QSAState
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
+
+    monkeypatch.setattr(QSAState, "step", 2)
+    net = tiny_flash_next(tmp_path)
     budget = net.model.layers[3].self_attn.n_blocks * net.model.layers[3].self_attn.ratio
     ids = prompt(budget + 40, net.config.vocab_size, seed=3)
     factory = (lambda: PagedKV(page_tokens=8)) if paged else ContiguousKV
-    compiled = decode_logits(net, ids, 12, factory)
+    compiled = detour_then_decode(net, ids, 12, factory)
+    for block in net.model.layers:  # the compiled pieces did run
+        if block.is_linear:
+            assert compiled_methods(block) == {"_linear_step"}
+        else:
+            assert compiled_methods(block) == {"_attention_in", "_attention_out"}
+            assert compiled_methods(block.self_attn) == {"pool"}
+        if block.has_ple:
+            assert compiled_methods(block.ple) == {"mix"}
+    assert compiled_methods(net.model.hyper_connection_mixer) == {"read"}
     monkeypatch.setattr(Qwen4ExpBlock, "compile_decode", False)
-    np.testing.assert_array_equal(compiled, decode_logits(net, ids, 12, factory))
+    np.testing.assert_array_equal(compiled, detour_then_decode(net, ids, 12, factory))

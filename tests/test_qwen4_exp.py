@@ -20,6 +20,7 @@ from qwen38_backend.errors import ConfigError, WeightsError
 from qwen38_backend.kv.contiguous import ContiguousKV
 from qwen38_backend.loader import load_model
 from qwen38_backend.models import qsa
+from qwen38_backend.models.hyper_connections import GatedResidual
 from qwen38_backend.models.moe import SparseMoE
 from qwen38_backend.models.ple import head_vocab_sizes, ngram_multipliers, ngram_rows
 from qwen38_backend.testing.tiny_qwen4_exp import full_config, text_config, write_tiny_qwen4_exp
@@ -171,36 +172,74 @@ def test_select_blocks_dense_regime_and_tail():
     assert list(np.nonzero(mask[0])[0]) == [0, 1, 2, 3]
     assert list(np.nonzero(mask[1])[0]) == [4, 5, 6, 7, 8, 9, 10, 11]
     assert list(np.nonzero(mask[2])[0]) == [4, 5, 6, 7, 12, 13, 14, 15, 24, 25]
-    # the decode path gathers the same token set
-    idx = np.array(qsa.token_indices(mx.array(blocks[2]), 25, 4, 2))
-    assert sorted(idx.tolist()) == [4, 5, 6, 7, 12, 13, 14, 15, 24, 25]
+    # the decode path gathers the same token set, ascending; the index buffer's rows past the
+    # visible blocks (capacity, stale rows after a rewind) are never chosen
+    qi = mx.array([[[1.0]]])  # one head of one dim: the block scores are the pooled keys
+    pooled = mx.array([[0.0], [9], [1], [7], [5], [3], [100], [100]])
+    args = (qi, pooled, mx.array(25), mx.array([24, 25], dtype=mx.int32))
+    want = [4, 5, 6, 7, 12, 13, 14, 15, 24, 25]
+    assert qsa.decode_tokens(*args, ratio=4, n_blocks=2).tolist() == want
+    assert qsa.decode_tokens_step(4, 2)(*args).tolist() == want
 
 
-def test_tied_indexer_selects_lowest_blocks_end_to_end(weights_dir):
+def test_decode_tokens_equal_the_mask_compiled_or_not():
+    """Every sparse decode position, tied scores, 0-3 stale rows past the visible blocks: the
+    gathered ids are the mask's tokens in ascending order, and the compiled selection (one
+    trace per buffer capacity and tail length) gives the same ids."""
+    rng = np.random.default_rng(0)
+    ratio, k = 4, 3
+    qi = mx.array([[[1.0]]])
+    compiled = qsa.decode_tokens_step(ratio, k)
+    for p in range(4 * (k + 1) - 1, 70):
+        nvis = (p + 1) // ratio
+        kb = rng.integers(0, 3, (nvis + int(rng.integers(0, 4)), 1)).astype(np.float32)
+        tail = mx.array(list(range(nvis * ratio, p + 1)), dtype=mx.int32)
+        args = (qi, mx.array(kb), mx.array(p), tail)
+        got = qsa.decode_tokens(*args, ratio=ratio, n_blocks=k).tolist()
+        assert compiled(*args).tolist() == got, p
+        pos = mx.array([p])
+        blocks = qsa.select_blocks(mx.array(kb[:nvis].T), pos, ratio, k)
+        mask = np.array(qsa.token_mask(blocks, pos, ratio, p + 1))[0]
+        assert got == np.nonzero(mask)[0].tolist(), p
+
+
+def test_tied_indexer_selects_lowest_blocks_end_to_end(weights_dir, monkeypatch):
     """Zero indexer keys: every block scores 0, so the golden choice is blocks 0 and 1."""
     m = load_model(weights_dir)
     att = m.net.model.layers[3].self_attn
     w = np.array(att.indexer.index_qk_proj.weight)
     w[4 * 16 :] = 0.0  # the key rows of index_qk_proj
     att.indexer.index_qk_proj.weight = mx.array(w)
-    seen = []
-    orig = att.select
+    gathered = {}
+    real = ContiguousKV.gather
 
-    def spy(qi, positions, st):
-        blocks = orig(qi, positions, st)
-        seen.append((blocks, positions))
-        return blocks
+    def spy(self, positions):
+        gathered[id(self)] = np.array(positions).tolist()
+        return real(self, positions)
 
-    att.select = spy
+    monkeypatch.setattr(ContiguousKV, "gather", spy)
     state = m.net.make_state()
     ids = _tokens(40)[:21]
     _feed(m.net, ids[:20], state)
     _feed(m.net, ids[20:], state)  # decode at position 20: nvis 5 > k 2
-    blocks, positions = seen[-1]
-    assert int(positions[0].item()) == 20
-    assert list(np.nonzero(np.array(blocks[0]))[0]) == [0, 1]
-    idx = np.array(qsa.token_indices(blocks[0], 20, 4, 2))
-    assert sorted(idx.tolist()) == [0, 1, 2, 3, 4, 5, 6, 7, 20]
+    assert gathered[id(state.layers[3].kv)] == [0, 1, 2, 3, 4, 5, 6, 7, 20]
+
+
+def test_fused_hyper_connection_projections_give_the_same_streams():
+    """GatedResidual.fuse: the down and inject projections as one matmul, the same result."""
+    gr = GatedResidual(16, 4, 8, 1e-6)
+    gr.hc_norm.weight = mx.random.normal((64,), key=mx.random.key(1)) * 0.2
+    R = mx.random.normal((3, 64), key=mx.random.key(2))
+
+    def block(x):
+        return 2.0 * x + 1.0
+
+    want, want_x = gr(R, block), gr.open(R)[0]
+    gr.fuse()
+    assert "down_inject_proj" in gr and "block_inject_weight" not in gr
+    np.testing.assert_allclose(np.array(gr(R, block)), np.array(want), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.array(gr.open(R)[0]), np.array(want_x), rtol=0, atol=1e-6)
+    assert not np.allclose(np.array(want), np.array(R))  # the block's output reached R
 
 
 # ----- MoE vs numpy --------------------------------------------------------------------------

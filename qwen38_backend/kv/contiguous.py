@@ -51,7 +51,9 @@ class ContiguousKV:
     def gather(self, positions: mx.array) -> tuple[mx.array, mx.array]:
         """K and V rows at `positions` (int array of any shape S, each < length) as
         [kv_heads, *S, head_dim]."""
-        return mx.take(self.keys[0], positions, axis=1), mx.take(self.values[0], positions, axis=1)
+        # squeeze, not [0]: indexing the first axis is a Gather that copies the whole buffer
+        keys, values = self.keys.squeeze(0), self.values.squeeze(0)
+        return mx.take(keys, positions, axis=1), mx.take(values, positions, axis=1)
 
     def reserve(self, n: int) -> None:
         """Capacity for n more rows now, so appending them later moves no buffer."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layers import can_fuse, fuse_linears, split_outputs
+
 
 class GroupedRMSNorm(nn.Module):
     """Zero-centred RMSNorm with one statistic per `group`-wide slice; weight spans all groups."""
@@ -39,23 +41,48 @@ class GatedResidual(nn.Module):
             self.block_inject_weight = nn.Linear(width, hc_count, bias=False)
         self.inject = inject
 
-    def mix(self, R: mx.array) -> tuple[mx.array, mx.array]:
-        """(block input x [T, hidden], normed streams Rn [T, hc*hidden])."""
-        Rn = self.hc_norm(R)
-        gm = nn.silu(self.input_mix_weight_down(Rn) / self.hc_count)
+    def fuse(self) -> None:
+        """The down and inject projections (both read the normed streams) as one matmul
+        (after loading)."""
+        parts = [self.input_mix_weight_down, self.block_inject_weight] if self.inject else []
+        if not parts or not can_fuse(parts):
+            return
+        self._down_sizes = [p.weight.shape[0] for p in parts]
+        if isinstance(parts[0], nn.QuantizedLinear):
+            self._down_sizes = [p.scales.shape[0] for p in parts]
+        self.down_inject_proj = fuse_linears(parts)
+        del self["input_mix_weight_down"], self["block_inject_weight"]
+
+    def _mixed(self, R: mx.array, Rn: mx.array, down: mx.array) -> mx.array:
+        """The block input x [T, hidden] from the normed streams and their down projection."""
+        gm = nn.silu(down / self.hc_count)
         G = mx.sigmoid(self.input_mix_weight_up(gm))
-        shape = (*R.shape[:-1], self.hc_count, self.hidden)
-        x = (G.reshape(shape) * Rn.reshape(shape)).mean(axis=-2)
-        return x, Rn
+        # the product before the reshape: the sigmoid and the product fuse (one kernel)
+        return (G * Rn).reshape(*R.shape[:-1], self.hc_count, self.hidden).mean(axis=-2)
 
     def read(self, R: mx.array) -> mx.array:
         """The mixed block input only (the final mixer before lm_head)."""
-        return self.mix(R)[0]
+        Rn = self.hc_norm(R)
+        return self._mixed(R, Rn, self.input_mix_weight_down(Rn))
+
+    def open(self, R: mx.array) -> tuple[mx.array, mx.array]:
+        """(block input x [T, hidden], inject weights inj [T, hc]): what precedes the block."""
+        Rn = self.hc_norm(R)
+        if "down_inject_proj" in self:
+            down, inj = split_outputs(self.down_inject_proj(Rn), self._down_sizes)
+        else:
+            down, inj = self.input_mix_weight_down(Rn), self.block_inject_weight(Rn)
+        return self._mixed(R, Rn, down), 2.0 * mx.sigmoid(inj / self.hc_count)
+
+    def close(self, R: mx.array, inj: mx.array, out: mx.array) -> mx.array:
+        """R + inj[s] * out on every stream s (added to the un-normed R)."""
+        add = (inj[..., :, None] * out[..., None, :]).astype(R.dtype)
+        # added per stream before the reshape: the product and the sum fuse (one kernel)
+        streams = R.reshape(add.shape)
+        return (streams + add).reshape(R.shape)
 
     def __call__(self, R: mx.array, block) -> mx.array:
-        """R + inj[s] * block(x) on every stream s (added to the un-normed R)."""
-        x, Rn = self.mix(R)
-        inj = 2.0 * mx.sigmoid(self.block_inject_weight(Rn) / self.hc_count)  # [T, hc]
-        out = block(x)
-        add = inj[..., :, None] * out[..., None, :]
-        return R + add.reshape(R.shape).astype(R.dtype)
+        """R + inj[s] * block(x) on every stream s; open and close split it for a caller
+        that runs the block apart (QSA's decode step compiles each side)."""
+        x, inj = self.open(R)
+        return self.close(R, inj, block(x))

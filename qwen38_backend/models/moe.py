@@ -10,7 +10,9 @@ the layout transformers' save_pretrained writes) are stacked by `fuse_expert_wei
 
 from __future__ import annotations
 
+import math
 import re
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,9 +56,11 @@ class Experts(nn.Module):
             # Prefill: one GEMM per expert over its tokens (a per-row gather_mm re-reads the
             # expert's weights for every row, which is ~100x slower on CPU).
             return _grouped(x, inds, self.num_experts, self._grouped_mm)
-        gu = mx.gather_mm(xe, self.gate_up_proj.swapaxes(-1, -2), rhs_indices=inds)  # [T,k,1,2I]
+        gu = mx.gather_mm(  # [T, k, 1, 2I]
+            xe, self.gate_up_proj.swapaxes(-1, -2), _rows(xe.shape[:-2]), inds
+        )
         h = _swiglu(gu, self.intermediate)
-        out = mx.gather_mm(h, self.down_proj.swapaxes(-1, -2), rhs_indices=inds)
+        out = mx.gather_mm(h, self.down_proj.swapaxes(-1, -2), _rows(h.shape[:-2]), inds)
         return out.reshape(T, k, -1)
 
     def _grouped_mm(self, buf: mx.array) -> mx.array:
@@ -90,6 +94,7 @@ class QuantizedExperts(nn.Module):
             p["weight"],
             p["scales"],
             p["biases"],
+            lhs_indices=_rows(x.shape[:-2]),
             rhs_indices=inds,
             transpose=True,
             group_size=self.group_size,
@@ -109,6 +114,15 @@ class QuantizedExperts(nn.Module):
             return _grouped(x, inds, self.num_experts, self._grouped_mm)
         h = _swiglu(self._qmm(xe, "gate_up_proj", inds, False), self.intermediate)
         return self._qmm(h, "down_proj", inds, False).reshape(T, k, -1)
+
+
+@cache
+def _rows(batch: tuple[int, ...]) -> mx.array:
+    """The lhs_indices gather_(q)mm makes when given none (each row its own batch entry),
+    made once per shape: built per call, it is one more kernel per expert matmul."""
+    rows = mx.arange(math.prod(batch), dtype=mx.uint32).reshape(batch)
+    mx.eval(rows)
+    return rows
 
 
 def _grouped(x: mx.array, inds: mx.array, num_experts: int, mm) -> mx.array:

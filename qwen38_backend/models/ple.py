@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import WeightsError
 from ..state import Replayable, RewindError
 from .hyper_connections import GroupedRMSNorm
+from .layers import compiled
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -315,12 +316,25 @@ class PLELayer(nn.Module):
             self.conv_len, self.ple_embedding.ngram_size - 1, self.width, self.ple_embedding.eos
         )
 
-    def __call__(self, R: mx.array, ids: mx.array, state: PLEState) -> mx.array:
+    def __call__(
+        self, R: mx.array, ids: mx.array, state: PLEState, compile: bool = False
+    ) -> mx.array:
+        """PLE(R, ids), advancing `state`; `compile`: the mixing as one compiled graph (the
+        fixed shapes of a decode step; the n-gram rows are looked up on the host either way)."""
         state.keep(self, R, ids)  # a speculative verify's rows, for a rollback's replay
         T = R.shape[0]
         new = np.array(ids, dtype=np.int64).reshape(-1)
         history = np.concatenate([state.ctx, new])
         E = self.ple_embedding(history, T).astype(R.dtype)
+        mix = compiled(self, "mix") if compile else self.mix
+        out, state.conv = mix(R, E, state.conv)
+        state.ctx = history[-state.ctx_len :]
+        state.length += T
+        return out
+
+    def mix(self, R: mx.array, E: mx.array, conv_state: mx.array) -> tuple[mx.array, mx.array]:
+        """(PLE output [T, W], the new conv state) from the residual and the n-gram rows E."""
+        T = R.shape[0]
         shape = (T, self.hc_count, self.hidden)
         K = self.norm_key(self.key_proj(E)).reshape(shape)
         V = self.value_proj(E)
@@ -329,12 +343,9 @@ class PLELayer(nn.Module):
         g = mx.sign(g) * mx.sqrt(mx.maximum(mx.abs(g), 1e-6))
         Gv = (mx.sigmoid(g)[..., None] * V[:, None, :]).reshape(T, self.width)
         C = self.norm_conv(Gv)
-        hist = mx.concatenate([state.conv.astype(C.dtype), C], axis=0)  # [conv_len + T, W]
+        hist = mx.concatenate([conv_state.astype(C.dtype), C], axis=0)  # [conv_len + T, W]
         w = self.conv1d["weight"].astype(C.dtype)  # [W, 1, K]
         conv = sum(
             w[:, 0, j] * hist[j * self.dilation : j * self.dilation + T] for j in range(self.kernel)
         )
-        state.conv = hist[-self.conv_len :]
-        state.ctx = history[-state.ctx_len :]
-        state.length += T
-        return Gv + nn.silu(conv)
+        return Gv + nn.silu(conv), hist[-self.conv_len :]

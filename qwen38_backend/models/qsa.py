@@ -18,12 +18,14 @@ to the fixed width n_blocks * ratio + ratio - 1 and the padding masked out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..state import RewindError
-from .layers import Attention, RMSNorm, RopeSpec
+from .layers import Attention, RMSNorm, RopeSpec, compiled
 
 # Scratch of one prefill query group: gathered K/V plus the block scores of its queries.
 GATHER_BYTES = 64 << 20
@@ -34,10 +36,29 @@ SELECT_ROWS_LIVE = 4
 
 
 # ----- rope at arbitrary positions -------------------------------------------------------------
+@cache
+def _inv_freq(dims: int, theta: float) -> mx.array:
+    """RoPE inverse frequencies, made once (a compiled decode step would recompute them)."""
+    inv = 1.0 / (theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+    mx.eval(inv)
+    return inv
+
+
+def _arange(n: int) -> mx.array:
+    """0..n-1 (int32): a slice of one made once per power of two, for the same reason."""
+    return _arange_pow2(1 << max(n - 1, 0).bit_length())[:n]
+
+
+@cache
+def _arange_pow2(n: int) -> mx.array:
+    ids = mx.arange(n)
+    mx.eval(ids)
+    return ids
+
+
 def rope_at(x: mx.array, positions: mx.array, dims: int, theta: float) -> mx.array:
     """NeoX rotate-half RoPE on the first `dims` features; x [N, ..., D], positions [N]."""
-    inv = 1.0 / (theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
-    ang = positions.astype(mx.float32)[:, None] * inv[None, :]  # [N, dims/2]
+    ang = positions.astype(mx.float32)[:, None] * _inv_freq(dims, theta)[None, :]  # [N, dims/2]
     shape = (ang.shape[0],) + (1,) * (x.ndim - 2) + (dims // 2,)
     cos, sin = mx.cos(ang).reshape(shape), mx.sin(ang).reshape(shape)
     xf = x.astype(mx.float32)
@@ -47,12 +68,14 @@ def rope_at(x: mx.array, positions: mx.array, dims: int, theta: float) -> mx.arr
 
 
 # ----- selection ------------------------------------------------------------------------------
-def pool_blocks(raw: mx.array, first_block: int, ratio: int, norm, dims: int, theta: float):
+def pool_blocks(
+    raw: mx.array, first_block: int | mx.array, ratio: int, norm, dims: int, theta: float
+):
     """Pooled keys [n, D] for raw keys [n * ratio, D] of blocks first_block..first_block+n-1."""
     n = raw.shape[0] // ratio
     mean = raw[: n * ratio].astype(mx.float32).reshape(n, ratio, -1).mean(axis=1)
     kb = norm(mean.astype(raw.dtype))
-    pos = (mx.arange(n) + first_block) * ratio
+    pos = (_arange(n) + first_block) * ratio
     return rope_at(kb, pos, dims, theta)
 
 
@@ -123,15 +146,36 @@ def token_ids(
     return mx.where(valid, ids, 0), valid
 
 
-def token_indices(chosen: mx.array, position: int, ratio: int, n_blocks: int) -> mx.array:
-    """One query's token ids (decode): chosen [NB] boolean with n_blocks True, then the tail."""
-    nvis = (position + 1) // ratio
-    if nvis <= n_blocks:
-        return mx.arange(position + 1)
-    blocks = mx.argpartition(1 - chosen.astype(mx.int32), kth=n_blocks - 1)[:n_blocks]
-    toks = (blocks[:, None].astype(mx.int32) * ratio + mx.arange(ratio)[None, :]).reshape(-1)
-    tail = mx.arange(nvis * ratio, position + 1)
+def decode_tokens(
+    qi: mx.array, pooled: mx.array, offset: mx.array, tail: mx.array, ratio: int, n_blocks: int
+) -> mx.array:
+    """Token ids one decoding query at `offset` (past the dense threshold) gathers: its
+    n_blocks best visible blocks in ascending order, then `tail` (its causal tail 4 * nvis..p).
+
+    qi [1, Hi, D]; `pooled` is the whole pooled-key buffer (rows from the visible blocks on are
+    masked out) and `offset` an array, so the shapes change only with the buffer's capacity and
+    the tail's length: `decode_tokens_step` compiles it once per pair."""
+    cap = pooled.shape[0]
+    ids = _arange(cap)
+    visible = ids < (offset + 1) // ratio
+    scores = mx.where(visible, block_scores(qi, pooled), -mx.inf).reshape(1, cap)
+    chosen = top_blocks(scores, n_blocks).reshape(cap)  # reshape: [0] would be a Gather
+    # distinct keys, the chosen ones lowest: sorted, the first n_blocks are the chosen ids in
+    # ascending order on every backend
+    blocks = mx.sort(mx.where(chosen, ids, ids + cap))[:n_blocks]
+    toks = (blocks[:, None] * ratio + _arange(ratio)[None, :]).reshape(-1).astype(mx.int32)
     return mx.concatenate([toks, tail]) if tail.size else toks
+
+
+_DECODE_TOKENS: dict[tuple[int, int], Callable] = {}
+
+
+def decode_tokens_step(ratio: int, n_blocks: int) -> Callable:
+    """`decode_tokens` compiled: ~30 selection ops replayed as one graph per decode step."""
+    if (ratio, n_blocks) not in _DECODE_TOKENS:
+        fn = partial(decode_tokens, ratio=ratio, n_blocks=n_blocks)
+        _DECODE_TOKENS[(ratio, n_blocks)] = mx.compile(fn)
+    return _DECODE_TOKENS[(ratio, n_blocks)]
 
 
 def query_bytes(
@@ -319,23 +363,40 @@ class QSAAttention(Attention):
         """Tokens one sparse query attends at most: its blocks plus the causal tail."""
         return self.n_blocks * self.ratio + self.ratio - 1
 
-    def index(self, x: mx.array, st: QSAState, offset: int) -> tuple[mx.array, mx.array]:
-        """Cache raw keys and new pooled blocks; return (roped queries [T, Hi, D], positions)."""
+    def index_query(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """(roped indexer queries [T, Hi, D], raw indexer keys [T, D]) of x at `positions`."""
         T = x.shape[0]
         ix = self.indexer
         qk = ix.index_qk_proj(x)
         split = ix.n_heads * ix.head_dim
-        positions = mx.arange(offset, offset + T)
         qi = ix.q_layernorm(qk[:, :split].reshape(T, ix.n_heads, ix.head_dim))
         qi = rope_at(qi, positions, self.rope.dims, self.rope.theta)
-        st.append_raw(qk[:, split:])
+        return qi, qk[:, split:]
+
+    def cache_keys(self, raw: mx.array, st: QSAState, compile: bool = False) -> None:
+        """Cache raw indexer keys and pool every block they complete; `compile`: a single
+        block (a decode step's) is pooled by one compiled graph."""
+        st.append_raw(raw)
         complete = st.length // self.ratio
         if complete > st.n_blocks:
             first = st.n_blocks
             raw = st.raw_rows(first * self.ratio, complete * self.ratio)
-            st.append_pooled(
-                pool_blocks(raw, first, self.ratio, ix.k_layernorm, self.rope.dims, self.rope.theta)
-            )
+            if compile and complete == first + 1:
+                kb = compiled(self, "pool")(raw, mx.array(first, dtype=mx.int32))
+            else:
+                kb = self.pool(raw, first)
+            st.append_pooled(kb)
+
+    def pool(self, raw: mx.array, first: int | mx.array) -> mx.array:
+        """Pooled keys of the blocks whose raw keys are `raw` (the first one block `first`)."""
+        ix = self.indexer
+        return pool_blocks(raw, first, self.ratio, ix.k_layernorm, self.rope.dims, self.rope.theta)
+
+    def index(self, x: mx.array, st: QSAState, offset: int) -> tuple[mx.array, mx.array]:
+        """Cache raw keys and new pooled blocks; return (roped queries [T, Hi, D], positions)."""
+        positions = mx.arange(offset, offset + x.shape[0])
+        qi, raw = self.index_query(x, positions)
+        self.cache_keys(raw, st)
         return qi, positions
 
     def select(self, qi: mx.array, positions: mx.array, st: QSAState) -> mx.array:
@@ -343,16 +404,25 @@ class QSAAttention(Attention):
         return select_blocks(block_scores(qi, st.blocks()), positions, self.ratio, self.n_blocks)
 
     def __call__(self, x: mx.array, st: QSAState, offset: int) -> mx.array:
-        T = x.shape[0]
         qi, positions = self.index(x, st, offset)
         q, k, v, gate = self.project_qkv(x, offset)
-        if (offset + T) // self.ratio <= self.n_blocks:  # every query is dense
-            out = st.kv.attend(q, k, v, self.scale)
-        else:
-            st.kv.store(k, v)
-            out = self._attend_selected(q, qi, positions, st, offset)
-        out = out.transpose(0, 2, 1, 3).reshape(T, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        return self.output(self.attend(q, k, v, qi, positions, st, offset), gate)
+
+    def attend(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        qi: mx.array,
+        positions: mx.array,
+        st: QSAState,
+        offset: int,
+    ) -> mx.array:
+        """Store k/v and attend q over what the queries see: [1, Hq, T, D]."""
+        if (offset + q.shape[2]) // self.ratio <= self.n_blocks:  # every query is dense
+            return st.kv.attend(q, k, v, self.scale)
+        st.kv.store(k, v)
+        return self._attend_selected(q, qi, positions, st, offset)
 
     def _attend_selected(
         self, q: mx.array, qi: mx.array, positions: mx.array, st: QSAState, offset: int
@@ -360,8 +430,10 @@ class QSAAttention(Attention):
         """Each query over its gathered token set: [1, Hq, T, D]."""
         T = q.shape[2]
         if T == 1:  # decode: exactly n_blocks blocks plus a tail known on the host
-            chosen = self.select(qi, positions, st)[0]
-            idx = token_indices(chosen, offset, self.ratio, self.n_blocks)
+            start = (offset + 1) // self.ratio * self.ratio
+            tail = mx.array(list(range(start, offset + 1)), dtype=mx.int32)
+            at = mx.array(offset, dtype=mx.int32)  # an input of the compiled selection
+            idx = decode_tokens_step(self.ratio, self.n_blocks)(qi, st.pooled, at, tail)
             keys, values = st.kv.gather(idx)
             return mx.fast.scaled_dot_product_attention(
                 q, keys[None], values[None], scale=self.scale

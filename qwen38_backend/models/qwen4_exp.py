@@ -159,26 +159,42 @@ class Qwen4ExpBlock(nn.Module):
     def __call__(self, R: mx.array, ids: mx.array | None, st, offset: int) -> mx.array:
         decode = R.shape[0] == 1 and self.compile_decode
         if self.has_ple:
-            R = R + self.ple(R, ids, st.ple)
+            R = R + self.ple(R, ids, st.ple, compile=decode)
             st = st.mixer
+        # one token: the mixer, the router, experts, shared expert and both stream mixes
+        # replayed as compiled graphs instead of ~150 ops encoded from Python per layer
         if self.is_linear and decode:
-            R = self.decode_linear(R, st)
-        elif self.is_linear:
+            return self.decode_linear(R, st)
+        if decode:
+            return self.decode_attention(R, st, offset)
+        if self.is_linear:
             R = self.attn_hyper_connection(R, lambda x: self.linear_attn(x, st))
         else:
             R = self.attn_hyper_connection(R, lambda x: self.self_attn(x, st, offset))
-        if decode:
-            # one token's router, experts, shared expert and both stream mixes: one graph
-            # replay instead of ~60 ops encoded from Python per layer
-            return compiled(self, "_mlp_step")(R)
-        return self.mlp_hyper_connection(R, self.mlp)
-
-    def _mlp_step(self, R: mx.array) -> mx.array:
         return self.mlp_hyper_connection(R, self.mlp)
 
     def decode_linear(self, R: mx.array, state: GatedDeltaNetState) -> mx.array:
-        """One token through the Gated DeltaNet mixer and its stream mix, compiled."""
+        """One token through the whole layer (Gated DeltaNet, MoE, stream mixes), compiled."""
         return decode_step(self, R, state)
+
+    def decode_attention(self, R: mx.array, st: QSAState, offset: int) -> mx.array:
+        """One token through the whole layer: compiled up to QSA's state writes, then its
+        selection (compiled apart: its shapes follow the index buffer) and the store's gather,
+        and compiled again from the attention output on (MoE included)."""
+        at = mx.array(offset, dtype=mx.int32)  # an input: a Python int would be traced in
+        inj, qi, raw, q, k, v, gate = compiled(self, "_attention_in")(R, at)
+        self.self_attn.cache_keys(raw, st, compile=True)
+        out = self.self_attn.attend(q, k, v, qi, at.reshape(1), st, offset)
+        return compiled(self, "_attention_out")(R, inj, out, gate)
+
+    def _attention_in(self, R: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        x, inj = self.attn_hyper_connection.open(R)
+        qi, raw = self.self_attn.index_query(x, offset.reshape(1))
+        return (inj, qi, raw, *self.self_attn.project_qkv(x, offset))
+
+    def _attention_out(self, R: mx.array, inj: mx.array, out: mx.array, gate: mx.array):
+        R = self.attn_hyper_connection.close(R, inj, self.self_attn.output(out, gate))
+        return self.mlp_hyper_connection(R, self.mlp)
 
     def _linear_step(self, R: mx.array, conv: mx.array, recurrent: mx.array):
         new: list[mx.array] = []
@@ -189,7 +205,7 @@ class Qwen4ExpBlock(nn.Module):
             return out
 
         R = self.attn_hyper_connection(R, mixer)
-        return R, new[0], new[1]
+        return self.mlp_hyper_connection(R, self.mlp), new[0], new[1]
 
 
 class Qwen4ExpBody(nn.Module):
@@ -237,7 +253,10 @@ class Qwen4ExpModel(CausalLM):
         return self.model.hyper_connection_mixer.read(self.residual(ids, state))
 
     def logits_from_residual(self, R: mx.array) -> mx.array:
-        return self.logits_from_hidden(self.model.hyper_connection_mixer.read(R))
+        read = self.model.hyper_connection_mixer.read
+        if R.shape[0] == 1 and Qwen4ExpBlock.compile_decode:  # one token: one graph replay
+            read = compiled(self.model.hyper_connection_mixer, "read")
+        return self.logits_from_hidden(read(R))
 
     def __call__(self, ids: mx.array, state: SequenceState, last_only: bool = False) -> mx.array:
         R = self.residual(ids, state)
