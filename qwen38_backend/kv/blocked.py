@@ -97,18 +97,19 @@ def blocked_attention(
     Blocks: K/V [1, Hkv, B, D] of the stored past in order (order does not change the
     result beyond rounding). Returns [1, Hq, T, Dv] in q's dtype; all math in fp32.
     """
+    # squeeze, not [0]: integer indexing is a gather in MLX (a copy of the whole block)
     _, hq, T, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     # Queries of one KV group side by side: [Hkv, G*T, D], scaled once (in fp32, then
     # rounded to the keys' dtype for the matmuls).
-    qs = (q[0].astype(mx.float32) * scale).astype(k.dtype).reshape(hkv, group * T, d)
+    qs = (q.squeeze(0).astype(mx.float32) * scale).astype(k.dtype).reshape(hkv, group * T, d)
     carry = None
     for i, block in enumerate(blocks):
         kb, vb = block[0], block[1]
         if kb.shape[2] == 0:
             continue
-        carry = _carry_step(qs, kb[0], vb[0], carry)
+        carry = _carry_step(qs, kb.squeeze(0), vb.squeeze(0), carry)
         if (len(block) > 2 and block[2]) or (i + 1) % EVAL_EVERY_BLOCKS == 0:
             # A transient block (read from disk) is freed at once; resident ones every few
             # blocks, so the graph never holds more than a few blocks' scores.
@@ -116,7 +117,7 @@ def blocked_attention(
     # The chunk itself: query row r (position r % T within the chunk) sees keys <= r % T.
     rows = mx.arange(T)[:, None] >= mx.arange(T)[None, :]  # [T, T]
     mask = mx.broadcast_to(rows[None], (group, T, T)).reshape(1, group * T, T)
-    _, total, acc = _carry_step(qs, k[0], v[0], carry, mask)
+    _, total, acc = _carry_step(qs, k.squeeze(0), v.squeeze(0), carry, mask)
     out = (acc / total).reshape(1, hq, T, v.shape[3])
     return out.astype(q.dtype)
 

@@ -469,7 +469,9 @@ class PagedKV:
         # The last page is always forced, so its (possibly unsealed) metadata is never used.
         scores = quest_scores(q, self.kmin[:, :n_pages], self.kmax[:, :n_pages])
         if self.shared:
-            scores = shared_scores(scores)
+            # The heads' rows of shared_scores are equal: one top-k serves all of them.
+            pages = select_pages(shared_scores(scores)[:1], forced, n_sel)
+            return mx.broadcast_to(pages, (scores.shape[0], n_sel))
         return select_pages(scores, forced, n_sel)
 
     def _resident_selection(self, pages: mx.array) -> list[int]:
@@ -513,10 +515,15 @@ class PagedKV:
         slots = pages if self.table.identity else self.table.array()[pages]
         # The last (open) page is selected and sorts last: drop its unwritten tail.
         n_rows = n_sel * P - (n_pages * P - self.length)
-        rows = (slots[:, :, None] * P + mx.arange(P, dtype=mx.int32)).reshape(hkv, -1)[:, :n_rows]
-        heads = mx.arange(hkv)[:, None]
-        keys = self.pool.k[heads, rows][None]  # [1, Hkv, n_rows, D]: per-head pages
-        values = self.pool.v[heads, rows][None]
+        if self.shared:  # one page set: a plain gather of rows for every head
+            rows = (slots[0, :, None] * P + mx.arange(P, dtype=mx.int32)).reshape(-1)[:n_rows]
+            keys = self.pool.k[:, rows][None]  # [1, Hkv, n_rows, D]
+            values = self.pool.v[:, rows][None]
+        else:
+            rows = (slots[:, :, None] * P + mx.arange(P, dtype=mx.int32)).reshape(hkv, -1)
+            heads = mx.arange(hkv)[:, None]
+            keys = self.pool.k[heads, rows[:, :n_rows]][None]  # per-head pages
+            values = self.pool.v[heads, rows[:, :n_rows]][None]
         if pinned:
             # The gather above reads this version of the pool: later writes cannot reach it.
             self.pool.unpin(pinned)
