@@ -64,11 +64,6 @@ def _merge(
     return m_new, total, acc
 
 
-# One fused graph per block shape: the elementwise chain is a few kernels, not a dozen
-# (a GPU walk over a long past is otherwise bound by launches).
-_first_compiled, _merge_compiled = mx.compile(_first), mx.compile(_merge)
-
-
 def _carry_step(
     qs: mx.array,
     kb: mx.array,
@@ -84,8 +79,8 @@ def _carry_step(
     if mask is not None:
         s = mx.where(mask, s, mx.array(-mx.inf, mx.float32))
     if carry is None:
-        return _first_compiled(s, vb)
-    return _merge_compiled(s, vb, *carry)
+        return _first(s, vb)
+    return _merge(s, vb, *carry)
 
 
 def blocked_attention(
