@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .blas import use_system_openblas
+from .loading.paths import keep_kernel_cache
 
 __version__ = "0.1.0"
 
 use_system_openblas()  # before anything imports MLX (see blas.py)
+keep_kernel_cache()  # compiled CUDA kernels outlive a reboot (see loading/paths.py)
 
 if TYPE_CHECKING:
     import mlx.core as mx

@@ -212,3 +212,17 @@ def test_old_registry_that_is_the_shared_one_is_left_alone(
     assert _home.registered_names() == ["m"]
     assert (home / "registry.json").is_file() and not (home / "registry.json.imported").exists()
     assert capfd.readouterr().err == ""
+
+
+def test_kernel_cache_lives_in_the_cache_dir_unless_chosen(tmp_path: Path) -> None:
+    """Importing the package points MLX's CUDA kernel cache into qwen38's cache (per MLX
+    version), so compiled kernels outlive /tmp; a user's MLX_PTX_CACHE_DIR is kept."""
+    code = "import os, qwen38_backend; print(os.environ['MLX_PTX_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != paths.PTX_CACHE_ENV}
+    env["QWEN38_HOME"] = str(tmp_path / "home")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    chosen = Path(out.stdout.strip())
+    assert chosen.parent == tmp_path / "home" / "cache" / "mlx-kernels", out.stderr
+    env[paths.PTX_CACHE_ENV] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == str(tmp_path / "mine")

@@ -64,6 +64,12 @@ def _merge(
     return m_new, total, acc
 
 
+# One fused graph per block shape: the elementwise chain is a few kernels, not a dozen (a
+# GPU walk over a long past is otherwise bound by launches). On CUDA the fused kernels are
+# compiled once per machine (MLX keeps them in its PTX cache, see loading/paths.py).
+_first_compiled, _merge_compiled = mx.compile(_first), mx.compile(_merge)
+
+
 def _carry_step(
     qs: mx.array,
     kb: mx.array,
@@ -79,8 +85,8 @@ def _carry_step(
     if mask is not None:
         s = mx.where(mask, s, mx.array(-mx.inf, mx.float32))
     if carry is None:
-        return _first(s, vb)
-    return _merge(s, vb, *carry)
+        return _first_compiled(s, vb)
+    return _merge_compiled(s, vb, *carry)
 
 
 def blocked_attention(

@@ -6,11 +6,17 @@ model registered through one is found by the others and the demo model is fetche
 are the platform's user data and cache directories (platformdirs), e.g. on Linux
 `~/.local/share/qwen38` and `~/.cache/qwen38`, on macOS `~/Library/Application Support/qwen38`
 and `~/Library/Caches/qwen38`.
+
+MLX's CUDA backend compiles the fused kernels of compiled graphs (and our custom kernels) at
+their first use and keeps them in a PTX cache, by default under /tmp (gone at reboot: measured
+on an H200, a cold cache cost a 64-layer prefill tens of seconds). Unless MLX_PTX_CACHE_DIR
+is set, qwen38 keeps that cache in its own cache directory, one folder per MLX version.
 """
 
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from pathlib import Path
 
 import platformdirs
@@ -32,3 +38,18 @@ def cache_dir() -> Path:
     if home:
         return Path(home).expanduser() / "cache"
     return Path(platformdirs.user_cache_dir("qwen38"))
+
+
+PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+
+
+def keep_kernel_cache() -> None:
+    """Point MLX's CUDA kernel cache at `cache_dir()/mlx-kernels/<mlx version>` unless the
+    user chose one (MLX reads the variable at its first kernel compilation)."""
+    if os.environ.get(PTX_CACHE_ENV):
+        return
+    try:
+        version = metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    os.environ[PTX_CACHE_ENV] = str(cache_dir() / "mlx-kernels" / version)
