@@ -18,6 +18,7 @@ from qwen38_backend.kv.quest import (
     page_summary,
     quest_scores,
     select_pages,
+    selector,
     shared_scores,
 )
 
@@ -88,6 +89,45 @@ def test_selection_equals_brute_force_top_k(hkv, n_pages, sinks, recent, budget,
     n_select = min(n_pages, max(budget, n_forced))
     got = np.array(select_pages(mx.array(scores), forced, n_select))
     np.testing.assert_array_equal(got, brute_force(scores, forced_np, n_select))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(2, 40),
+    st.integers(0, 30),
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.integers(1, 40),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+    st.booleans(),
+)
+def test_compiled_selector_equals_the_selection_over_live_pages(
+    hkv, group, n_pages, spare, sinks, recent, budget, seed, ties, shared
+):
+    """The one-graph selection scores the metadata's whole capacity: pages past n_pages
+    (stale or garbage) never count, and the result is select_pages over the live pages."""
+    rng = np.random.default_rng(seed)
+    d = 4
+    shape = (hkv, n_pages + spare, d)
+    if ties:  # integer metadata and query: equal bounds, broken by the lower page id
+        kmin = rng.integers(-2, 2, size=shape).astype(np.float32)
+        q = rng.integers(-1, 2, size=(hkv * group, d)).astype(np.float32)
+    else:
+        kmin = rng.normal(size=shape).astype(np.float32)
+        q = rng.normal(size=(hkv * group, d)).astype(np.float32) * 3
+    kmax = kmin + np.abs(rng.normal(size=shape)).astype(np.float32) * (not ties)
+    kmin[:, n_pages:] = 1e30 * (rng.random((hkv, spare, d)) - 0.5)  # what may sit there
+    kmin, kmax, q = mx.array(kmin), mx.array(np.maximum(kmax, kmin)), mx.array(q)
+    forced, n_forced = forced_pages(n_pages, sinks, recent)
+    n_select = min(n_pages, max(budget, n_forced))
+    scores = quest_scores(q, kmin[:, :n_pages], kmax[:, :n_pages])
+    want = select_pages(shared_scores(scores) if shared else scores, forced, n_select)
+    run = selector(n_select, sinks, recent, shared)
+    got = run(q, kmin, kmax, mx.array(n_pages, dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
 @given(st.lists(st.floats(width=32, allow_nan=False), min_size=2, max_size=20))

@@ -42,7 +42,7 @@ from ..errors import AdmissionError, InvalidOptionError, SpillError
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .one_token import attend_one_token
 from .pool import PagePool, PoolFullError
-from .quest import forced_pages, page_min_max, quest_scores, select_pages, shared_scores
+from .quest import forced_pages, page_min_max, selector
 from .spill import SpillFile
 from .table import SPILLED, PageTable, from_host
 
@@ -463,16 +463,12 @@ class PagedKV:
         return all(n_sel >= n_pages for n_pages, n_sel in sizes)
 
     def select(self, q: mx.array, n_sel: int) -> mx.array:
-        """Selected logical pages per KV head, int32 [Hkv, n_sel] ascending. q: [Hq, D]."""
-        n_pages = len(self.table)
-        forced, _ = forced_pages(n_pages, self.sink_pages, self.recent_pages)
-        # The last page is always forced, so its (possibly unsealed) metadata is never used.
-        scores = quest_scores(q, self.kmin[:, :n_pages], self.kmax[:, :n_pages])
-        if self.shared:
-            # The heads' rows of shared_scores are equal: one top-k serves all of them.
-            pages = select_pages(shared_scores(scores)[:1], forced, n_sel)
-            return mx.broadcast_to(pages, (scores.shape[0], n_sel))
-        return select_pages(scores, forced, n_sel)
+        """Selected logical pages per KV head, int32 [Hkv, n_sel] ascending. q: [Hq, D].
+        One compiled graph (quest.selector); the last page is always forced, so its
+        (possibly unsealed) metadata is never used."""
+        run = selector(n_sel, self.sink_pages, self.recent_pages, self.shared)
+        n_pages = mx.array(len(self.table), dtype=mx.int32)
+        return run(q, self.kmin, self.kmax, n_pages)
 
     def _resident_selection(self, pages: mx.array) -> list[int]:
         """Make every selected page resident: pin the resident ones, fetch the misses (the

@@ -22,6 +22,8 @@ selection recall the most attention mass at the same token budget (8-token pages
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 _SIGN = 0x80000000
@@ -148,3 +150,29 @@ def forced_pages(n_pages: int, sink_pages: int, recent_pages: int) -> tuple[mx.a
     count = sinks + n_pages - max(first_recent, sinks)
     ids = mx.arange(n_pages)
     return (ids < sinks) | (ids >= first_recent), count
+
+
+@lru_cache(maxsize=64)
+def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
+    """The whole Quest selection of one decode step as one compiled graph:
+    (q [Hq, D], kmin, kmax [Hkv, capacity, D], n_pages int32 scalar) -> int32 [Hkv, n_select]
+    ascending, equal to select_pages over `quest_scores` of the first n_pages pages with
+    `forced_pages`. The metadata is scored over its whole capacity with the pages past
+    n_pages masked out, so the graph is traced again only when the capacity grows (x1.5),
+    not every page."""
+
+    def select(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
+        scores = quest_scores(q, kmin, kmax)
+        if shared:  # one top-k row serves every KV head (shared_scores' rows are equal)
+            scores = scores.sum(axis=0, keepdims=True)
+        ids = mx.arange(scores.shape[-1])
+        live = ids < n_pages
+        first_recent = mx.maximum(n_pages - 1 - recent_pages, 0)
+        forced = live & ((ids < sink_pages) | (ids >= first_recent))
+        scores = mx.where(live, scores, mx.array(-float("inf"), mx.float32))
+        scores = mx.where(forced, mx.array(float("inf"), mx.float32), scores)
+        top = mx.argpartition(~order_keys(scores), kth=n_select - 1, axis=-1)[:, :n_select]
+        pages = mx.sort(top.astype(mx.int32), axis=-1)
+        return mx.broadcast_to(pages, (kmin.shape[0], n_select))
+
+    return mx.compile(select)
