@@ -24,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import prompt, random_model  # noqa: E402
+from common import environment, write_json  # noqa: E402
 
 
 def step_times(model, state, first: int, n: int) -> list[float]:
@@ -66,7 +67,7 @@ def main() -> None:
     if args.page_tokens:
         kv["kv_page_tokens"] = args.page_tokens
     spill_dir = tempfile.mkdtemp(prefix="qwen38-spill-")
-    result: dict = {"args": vars(args), "device": str(mx.default_device())}
+    result: dict = {"environment": environment(), "args": vars(args)}
     for label, extra in (
         ("resident", {}),
         ("spilled", {"kv_pool_tokens": args.pool_tokens, "kv_spill_dir": spill_dir}),
@@ -104,10 +105,7 @@ def main() -> None:
         state.close()
         del state, logits
         mx.clear_cache()
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":
