@@ -9,20 +9,27 @@ its own KV history, one entry per trunk position it has seen, so `MTPTrack` feed
 (features, next token) pair of the sequence: the prompt during prefill (Model.prefill's
 `observe`), then each decided token. Entries computed from chained (draft) features are
 dropped after the verify, and the accepted positions are fed again from the trunk's own
-features. The track is not part of state files: after a restore the head's history starts at
-the restored position (fewer keys to attend over; acceptance, not tokens).
+features.
+
+The track is part of the sequence's state (SequenceState.mtp, attached by Model.new_state):
+snapshots, the prefix store and state files keep the head's KV, `positions`, `seen`, the
+features `last` and the queued pairs not fed yet (a snapshot computes nothing), and a rewind
+cuts it back with the sequence (a save point keeps the features of its position). So after a
+restore or a rewind the head drafts as if the sequence had run on. A snapshot without it (an
+older state file, a state that never drafted) restores an empty head, whose history then
+starts at the restored position.
 """
 
 from __future__ import annotations
 
-import weakref
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
-from .state import SequenceState
+from .state import RewindError, SequenceState, state_kind
 
 if TYPE_CHECKING:
     from .engine import Model
@@ -61,13 +68,17 @@ def ngram_match(tokens: list[int], k: int, max_n: int = MAX_NGRAM) -> tuple[list
 
 @dataclass
 class MTPTrack:
-    """The MTP head's history for one sequence.
+    """The MTP head's history for one sequence (state.HeadHistory).
 
     `seen`: trunk positions whose features went by (== the sequence's offset while in step);
     `last`: features of trunk position seen - 1 (its next token is not known yet);
-    `queue`: (features, next token) pairs not yet fed to the head; `positions`: the trunk
-    position of each entry in the head's KV (gaps where positions went by unseen).
+    `queue`: (features, next token) pairs not yet fed to the head, positions up to seen - 2;
+    `positions`: the trunk position of each entry in the head's KV (gaps where positions went
+    by unseen).
     """
+
+    state_kind = "MTPTrack"
+    state_version = 1  # snapshot keys: head.*, positions, seen, last, queue, queue_ids
 
     state: Any  # the family's MTP state (KV store + offset)
     seen: int = 0
@@ -75,15 +86,21 @@ class MTPTrack:
     queue: list[tuple[mx.array, list[int]]] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
 
+    @property
+    def kind(self) -> str:
+        return state_kind(self)
+
+    def queued(self) -> int:
+        return sum(len(ids) for _, ids in self.queue)
+
     def sync(self, offset: int) -> None:
-        """Follow a sequence that moved without us (rewind, restore, plain prefill): keep the
-        head's entries for positions still in the sequence, forget the rest."""
+        """Follow a sequence that moved without us (a plain prefill or decode, drafting off):
+        the positions that went by unseen are a gap in the head's history."""
         if self.seen == offset:
             return
-        keep = sum(1 for p in self.positions if p < offset - 1)
-        if keep < len(self.positions):
-            self.state.truncate(keep)
-            del self.positions[keep:]
+        if offset < self.seen:
+            self.cut(offset)
+            return
         self.seen, self.last, self.queue = offset, None, []
 
     def observe(self, features: mx.array, ids: list[int], start: int) -> None:
@@ -93,7 +110,7 @@ class MTPTrack:
             self.queue.append((self.last, [ids[0]]))
         if len(ids) > 1:
             self.queue.append((features[:-1], ids[1:]))
-        self.last = features[-1:]
+        self.last = mx.array(features[-1:])  # a copy: the chunk's features can go
         self.seen = start + len(ids)
 
     def flush(self, net: Any) -> None:
@@ -136,22 +153,108 @@ class MTPTrack:
 
     def step(self, net: Any, features: mx.array, token: int) -> None:
         """A plain step fed `token` at position seen and produced `features` [1, ...]. The
-        queue is fed to the head every FLUSH_ROWS steps, so a long run of plain steps (drafting
-        paused) does not keep every step's features alive."""
+        queue is fed to the head once it holds FLUSH_ROWS pairs, so a long run of plain steps
+        (drafting paused) does not keep every step's features alive."""
         if self.last is not None:
             self.queue.append((self.last, [token]))
         self.last = features[-1:]
         self.seen += 1
-        if len(self.queue) >= FLUSH_ROWS:
+        if self.queued() >= FLUSH_ROWS:  # rows, not entries: a restored queue is one entry
             self.flush(net)
 
+    # ----- part of the sequence's state (state.HeadHistory) ---------------------------------
+    def nbytes(self) -> int:
+        return self.state.nbytes()
 
-_TRACKS: weakref.WeakKeyDictionary[SequenceState, MTPTrack] = weakref.WeakKeyDictionary()
+    def snapshot(self) -> dict[str, mx.array] | None:
+        """The history as tensors (None when there is none): the head's state under `head.`,
+        `positions`, `seen`, and the features `last` and `queue` (with `queue_ids`) copied,
+        so a snapshot keeps no prefill chunk alive."""
+        if not self.positions and self.last is None and not self.queue:
+            return None
+        out = {f"head.{k}": v for k, v in self.state.snapshot().items()}
+        out["positions"] = mx.array(np.asarray(self.positions, dtype=np.int64))
+        out["seen"] = mx.array(self.seen, dtype=mx.int64)
+        if self.last is not None:
+            out["last"] = mx.array(self.last)
+        if self.queue:
+            out["queue"] = mx.array(mx.concatenate([f for f, _ in self.queue], axis=0))
+            out["queue_ids"] = mx.array([t for _, ids in self.queue for t in ids], dtype=mx.int64)
+        return out
+
+    def check(self, tensors: dict[str, mx.array], offset: int) -> None:
+        """Refuse (RewindError) tensors that are not a history of an `offset`-token sequence."""
+        why = _history_problem(tensors, offset)
+        if why is not None:
+            raise RewindError(f"MTP head history: {why}")
+
+    def restore(self, tensors: dict[str, mx.array] | None) -> None:
+        """Take a snapshot()'s tensors (checked first); None: an empty history."""
+        tensors = tensors or {}
+        self.state.restore({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+        self.positions = (
+            [int(p) for p in np.asarray(tensors["positions"]).reshape(-1)] if tensors else []
+        )
+        self.seen = int(tensors["seen"].item()) if tensors else 0
+        self.last = tensors.get("last")
+        queue = tensors.get("queue")
+        ids = tensors.get("queue_ids")
+        self.queue = [] if queue is None or ids is None else [(queue, ids.tolist())]
+
+    def mark(self, offset: int) -> mx.array | None:
+        """What a save point at `offset` keeps: the features of position offset - 1, which a
+        rewind there needs back (their pair waits for the token after them)."""
+        return self.last if self.seen == offset else None
+
+    def cut(self, length: int, mark: mx.array | None = None) -> None:
+        """Follow the sequence back to `length` tokens: keep the head's entries and queued
+        pairs of positions before length - 1; `mark` (a save point's) restores `last`."""
+        if length >= self.seen:
+            return  # nothing of ours lies past it (a round's verify: settle() cuts the head)
+        keep = bisect.bisect_left(self.positions, length - 1)
+        if keep < len(self.positions):
+            self.state.truncate(keep)
+            del self.positions[keep:]
+        at, kept = self.seen - 1 - self.queued(), []
+        for feats, ids in self.queue:
+            n = min(len(ids), length - 1 - at)
+            if n > 0:
+                kept.append((feats[:n], ids[:n]))
+            at += len(ids)
+        self.queue, self.seen, self.last = kept, length, mark
+
+
+def _history_problem(tensors: dict[str, mx.array], offset: int) -> str | None:
+    """Why `tensors` are not an MTPTrack snapshot of an `offset`-token sequence (None: they
+    are). The head's own tensors are its state class's business (and its kind's)."""
+    for key in ("positions", "seen"):
+        if key not in tensors or (key == "seen" and tensors[key].size != 1):
+            return f"it has no {key!r}"
+    positions = np.asarray(tensors["positions"]).reshape(-1)
+    seen = int(tensors["seen"].item())
+    last, queue, ids = (tensors.get(k) for k in ("last", "queue", "queue_ids"))
+    rows = 0 if queue is None else queue.shape[0]
+    entries = tensors.get("head.offset")
+    if not 0 <= seen <= offset:
+        return f"it has seen {seen} positions of a {offset}-token sequence"
+    if positions.dtype.kind not in "iu" or np.any(np.diff(positions) <= 0):
+        return "its positions are not increasing integers"
+    if len(positions) and (positions[0] < 0 or positions[-1] >= seen - 1 - rows):
+        return "its positions run past the pairs it was fed"
+    if entries is not None and int(entries.item()) != len(positions):
+        return f"its head holds {int(entries.item())} entries for {len(positions)} positions"
+    if last is not None and (last.ndim != 2 or last.shape[0] != 1):
+        return f"its last features have shape {tuple(last.shape)}"
+    if (queue is None) != (ids is None) or (ids is not None and ids.size != rows):
+        return "its queued features and token ids do not pair up"
+    if queue is not None and (last is None or queue.shape[1:] != last.shape[1:]):
+        return "its queued features do not fit its last ones"
+    return None
 
 
 def mtp_track(model: Model, state: SequenceState) -> MTPTrack:
-    """The MTP history of `state` (made on first use; follows rewinds and restores)."""
-    track = _TRACKS.get(state)
-    if track is None:
-        track = _TRACKS[state] = MTPTrack(model.net.make_mtp_state())
-    return track
+    """The MTP history of `state` (SequenceState.mtp; made here for a state that has none)."""
+    if state.mtp is None:
+        state.mtp = MTPTrack(model.net.make_mtp_state())
+    assert isinstance(state.mtp, MTPTrack)
+    return state.mtp

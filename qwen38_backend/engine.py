@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from . import speculative
+from . import drafts, speculative
 from .errors import Cancelled, InvalidOptionError
 from .generation import GenerationStats, TokenStream, stop_reason
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
@@ -122,6 +122,8 @@ class Model:
         """A fresh sequence; kv_options (kv_paged, kv_topk, ...) pick the KV store."""
         state = self.net.make_state(kv_factory=make_kv_factory(**kv_options))
         state.extras["kv_options"] = dict(kv_options)
+        if getattr(self.net, "has_mtp", False):
+            drafts.mtp_track(self, state)  # the head's history is part of the state (empty)
         return state
 
     def forward(self, ids: mx.array | list[int], state: SequenceState, last_only: bool = False):

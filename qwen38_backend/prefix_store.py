@@ -64,7 +64,9 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def snapshot_nbytes(snap: StateSnapshot) -> int:
-    return sum(int(a.nbytes) for layer in snap.layers for a in layer.values())
+    """Bytes of a snapshot's tensors: its layers and the MTP head's history."""
+    head = sum(int(a.nbytes) for a in (snap.mtp or {}).values())
+    return sum(int(a.nbytes) for layer in snap.layers for a in layer.values()) + head
 
 
 @dataclass

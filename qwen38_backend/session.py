@@ -245,7 +245,10 @@ class Session:
         state.drop_save_points(keep=self.max_save_points)
         if self.cache and recurrent:
             snap = state.snapshot()
-            mx.eval([a for layer in snap.layers for a in layer.values()])
+            mx.eval(
+                [a for layer in snap.layers for a in layer.values()],
+                list((snap.mtp or {}).values()),
+            )
             pending.append(snap)
 
     def _persist(self, state: SequenceState, pending: list[StateSnapshot]) -> None:

@@ -16,7 +16,8 @@ Rollback: attention KV and QSA indexer keys truncate; recurrent layers (Gated De
 and recurrent state, Flash-Next's PLE) return to a save point taken before the verify and
 replay their own update over the kept rows of the inputs they recorded in the verify
 (state.Replayable, SequenceState.rollback: no second forward of the model). The MTP head drops
-the entries it computed from its own chained drafts (drafts.MTPTrack).
+the entries it computed from its own chained drafts (drafts.MTPTrack); its history is part of
+the sequence's state (SequenceState.mtp), so snapshots, state files and rewinds carry it.
 
 Exactness gate: a paged store under Quest (kv_topk) selects pages for a single decode step
 but a multi-row verify attends densely, so a round runs only while every decode step through

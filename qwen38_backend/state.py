@@ -1,8 +1,9 @@
 """SequenceState: everything one sequence has, acted on together.
 
-Each layer contributes one `LayerState` (a KV store, a Gated DeltaNet state, ...). Snapshot,
-restore and rewind act on every layer plus the token ids, so callers never see a sequence
-whose layers disagree about how many tokens they hold.
+Each layer contributes one `LayerState` (a KV store, a Gated DeltaNet state, ...); a model with
+an MTP head adds the head's history (`HeadHistory`: drafts.MTPTrack). Snapshot, restore and
+rewind act on every layer, that history and the token ids, so callers never see a sequence
+whose parts disagree about how many tokens they hold.
 """
 
 from __future__ import annotations
@@ -49,6 +50,26 @@ def state_kind(layer: object) -> str:
     return f"{kind}({','.join(inner)})" if inner else kind
 
 
+class HeadHistory(Protocol):
+    """A draft head's history of one sequence (drafts.MTPTrack): its own KV and which
+    positions it has seen. It may lag the sequence (drafting off) but never leads it."""
+
+    @property
+    def kind(self) -> str: ...  # state_kind(): what a snapshot of it can be restored into
+
+    def nbytes(self) -> int: ...
+
+    def snapshot(self) -> dict[str, mx.array] | None: ...  # None: no history to keep
+
+    def check(self, tensors: dict[str, mx.array], offset: int) -> None: ...  # RewindError
+
+    def restore(self, tensors: dict[str, mx.array] | None) -> None: ...  # None: empty
+
+    def mark(self, offset: int) -> Any: ...  # what a save point at `offset` keeps
+
+    def cut(self, length: int, mark: Any = None) -> None: ...  # follow a rewind
+
+
 class Replayable:
     """A recurrent layer state that keeps the input rows of its layer's last call while
     recording (a speculative verify), so that after a restore `replay(n)` runs the layer's
@@ -81,6 +102,8 @@ class StateSnapshot:
     layers: list[dict[str, mx.array]]
     extras: dict[str, Any] = field(default_factory=dict)
     kinds: list[str] | None = None  # state_kind() per layer, for compatibility checks
+    mtp: dict[str, mx.array] | None = None  # the MTP head's history (None: none kept)
+    mtp_kind: str | None = None  # its HeadHistory.kind
 
     @property
     def offset(self) -> int:
@@ -91,6 +114,12 @@ class RewindError(Qwen38Error):
     """A rewind that the state cannot perform (recurrent layers without a snapshot there)."""
 
 
+@dataclass
+class _SavePoint:
+    layers: list[dict[str, mx.array] | None]  # snapshots of the non-truncatable layers
+    mtp: Any = None  # HeadHistory.mark() there
+
+
 class SequenceState:
     """Token ids, position and every layer's state for one sequence."""
 
@@ -99,9 +128,10 @@ class SequenceState:
         self._tokens: list[int] = []
         self._pending: list[mx.array] = []  # fed but not yet read back (async decode)
         self.extras: dict[str, Any] = {}  # e.g. sampler RNG key
-        # offset -> snapshots of the non-truncatable layers (None for truncatable ones):
-        # the positions a rewind of recurrent state can return to.
-        self._save_points: dict[int, list[dict[str, mx.array] | None]] = {}
+        self.mtp: HeadHistory | None = None  # Model.new_state sets it for a model with a head
+        # offset -> snapshots of the non-truncatable layers (None for truncatable ones) and
+        # the head history's mark: the positions a rewind of recurrent state can return to.
+        self._save_points: dict[int, _SavePoint] = {}
 
     @property
     def offset(self) -> int:
@@ -126,7 +156,8 @@ class SequenceState:
         self._pending.clear()
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
+        head = self.mtp.nbytes() if self.mtp is not None else 0
+        return sum(layer.nbytes() for layer in self.layers) + head
 
     def reads_back(self) -> bool:
         """Whether some layer reads device results on the host part-way through a step (a
@@ -167,14 +198,34 @@ class SequenceState:
         """state_kind() of every layer (what a snapshot of this sequence can be restored into)."""
         return [state_kind(layer) for layer in self.layers]
 
+    def mtp_snapshot(self) -> tuple[dict[str, mx.array] | None, str | None]:
+        """(tensors, kind) of the MTP head's history; (None, None) when there is none."""
+        tensors = self.mtp.snapshot() if self.mtp is not None else None
+        return (tensors, self.mtp.kind) if tensors is not None else (None, None)
+
     def snapshot(self) -> StateSnapshot:
         self._resolve()
+        mtp, mtp_kind = self.mtp_snapshot()
         return StateSnapshot(
             tokens=list(self._tokens),
             layers=[layer.snapshot() for layer in self.layers],
             extras=dict(self.extras),
             kinds=self.kinds(),
+            mtp=mtp,
+            mtp_kind=mtp_kind,
         )
+
+    def check_mtp(self, snap: StateSnapshot) -> None:
+        """Refuse (RewindError) a snapshot whose MTP head history this sequence cannot take.
+        A sequence that keeps no history (made outside Model.new_state) ignores it."""
+        if snap.mtp is None or self.mtp is None:
+            return
+        if snap.mtp_kind != self.mtp.kind:
+            raise RewindError(
+                f"snapshot's MTP head history is {snap.mtp_kind}, this sequence keeps "
+                f"{self.mtp.kind}"
+            )
+        self.mtp.check(snap.mtp, snap.offset)
 
     def restore(self, snap: StateSnapshot) -> None:
         if len(snap.layers) != len(self.layers):
@@ -188,8 +239,11 @@ class SequenceState:
             raise RewindError(
                 f"snapshot layer {bad} is {snap.kinds[bad]}, this sequence has {self.kinds()[bad]}"
             )
+        self.check_mtp(snap)
         for layer, tensors in zip(self.layers, snap.layers, strict=True):
             layer.restore(tensors)
+        if self.mtp is not None:
+            self.mtp.restore(snap.mtp)  # a snapshot without one: the head starts empty
         self._tokens = list(snap.tokens)
         self._pending.clear()
         self._save_points.clear()  # they belonged to the history this restore replaced
@@ -204,9 +258,10 @@ class SequenceState:
         """
         self._resolve()
         offset = len(self._tokens)
-        self._save_points[offset] = [
-            None if layer.can_truncate else layer.snapshot() for layer in self.layers
-        ]
+        self._save_points[offset] = _SavePoint(
+            [None if layer.can_truncate else layer.snapshot() for layer in self.layers],
+            self.mtp.mark(offset) if self.mtp is not None else None,
+        )
         return offset
 
     @property
@@ -244,8 +299,10 @@ class SequenceState:
             if layer.can_truncate:
                 layer.truncate(keep)
             else:
-                layer.restore(point[i])  # type: ignore[index]
+                layer.restore(point.layers[i])  # type: ignore[arg-type]
                 replay(layer)
+        if self.mtp is not None:
+            self.mtp.cut(keep)  # a round's head is at `base` still: its settle() cuts it
         del self._tokens[keep:]
         for offset in [o for o in self._save_points if o > keep]:
             del self._save_points[offset]
@@ -266,7 +323,9 @@ class SequenceState:
             if layer.can_truncate:
                 layer.truncate(length)
             else:
-                layer.restore(point[i])  # type: ignore[index]
+                layer.restore(point.layers[i])  # type: ignore[union-attr,arg-type]
+        if self.mtp is not None:
+            self.mtp.cut(length, point.mtp if point is not None else None)
         del self._tokens[length:]
         for offset in [o for o in self._save_points if o > length]:
             del self._save_points[offset]

@@ -6,6 +6,10 @@ any safetensors reader can open it. The state file's own header travels in the t
 fingerprint, compute dtype, token ids, per-layer state kinds, JSON extras, and for every
 tensor its dtype, shape, byte count and sha256, plus a sha256 of the header itself.
 
+Tensors are named `layers.<i>.<key>`, `extras.<key>` and (version 2) `mtp.<key>`: the MTP
+head's history (drafts.MTPTrack), with its kind in the header as `mtp_kind`. Version 1 files
+(no MTP part) still load; the head then starts empty at the restored position.
+
 Tensors are only the live rows each layer's `snapshot()` returns (no empty pool slots, no
 capacity padding). Writes go to a temp file in the same directory, are fsynced, then renamed
 (and the directory fsynced): a crash or a full disk leaves the old file or nothing, never a
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import struct
@@ -30,11 +35,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .errors import StateFileError
-from .state import SequenceState, StateSnapshot
+from .state import RewindError, SequenceState, StateSnapshot
 
 # On-disk names kept from before the rename to "state file", so existing files stay readable.
 FORMAT = "qwen38-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the MTP head's history (`mtp.*`, `mtp_kind`); 1 still loads
 META_KEY = "qwen38_checkpoint"
 SUFFIX = ".ckpt.safetensors"  # any safetensors reader can open it
 _MAX_HEADER = 256 * 1024 * 1024  # token ids of a 262K context fit easily; refuse absurd sizes
@@ -180,16 +185,16 @@ def save_state_file(
         tokens, extras, kinds = state.tokens, dict(state.extras), state.kinds()
         n_layers = len(state.layers)
         layers = (layer.snapshot() for layer in state.layers)
+        mtp, mtp_kind = state.mtp_snapshot()
     else:
         tokens, extras, kinds = state.tokens, state.extras, state.kinds
         n_layers = len(state.layers)
         layers = iter(state.layers)
+        mtp, mtp_kind = state.mtp, state.mtp_kind
     extra_tensors, extras_json = _split_extras(extras)
-    groups = (
-        (f"{prefix}{i}." if prefix == "layers." else prefix, group)
-        for prefix, source in (("layers.", layers), ("extras.", iter([extra_tensors])))
-        for i, group in enumerate(source)
-    )
+    tail = [("extras.", extra_tensors)] + ([("mtp.", mtp)] if mtp is not None else [])
+    # lazily: a streamed state's layers are snapshotted one at a time
+    groups = itertools.chain(((f"layers.{i}.", g) for i, g in enumerate(layers)), tail)
     meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -201,12 +206,14 @@ def save_state_file(
         "n_layers": n_layers,
         "kinds": list(kinds) if kinds is not None else None,
         "extras": extras_json,
+        **({"mtp_kind": mtp_kind} if mtp is not None else {}),
         "tensors": {},
         "created": time.time(),
     }
     table: dict[str, Any] = {}
     if stream:
-        reserve = _header_reserve(len(tokens), n_layers, len(extra_tensors), extras_json)
+        n_more = len(extra_tensors) + len(mtp or {})
+        reserve = _header_reserve(len(tokens), n_layers, n_more, extras_json)
         pending: list[bytes | memoryview] = []
     else:  # everything in memory: hash it all first, the header is then exact
         pending, reserve = _describe(groups, table, meta["tensors"]), 0
@@ -384,10 +391,10 @@ def _read_table(f, path: Path, size: int) -> tuple[dict[str, Any], dict[str, Any
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise StateFileError(f"{path} is not a qwen38 state file (format {meta.get('format')!r})")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in range(1, FORMAT_VERSION + 1):
         raise StateFileError(
             f"state file {path} has format version {meta.get('version')!r}; this build reads "
-            f"version {FORMAT_VERSION} (delete it or re-create it with this version)"
+            f"version {FORMAT_VERSION} and older (delete it or re-create it with this version)"
         )
     if meta.get("header_sha256") != _header_digest(meta):
         raise StateFileError(f"state file {path}: header checksum mismatch (corrupt header)")
@@ -485,9 +492,17 @@ def read_state_file(path: str | Path, model: Any) -> StateSnapshot:
     n_layers = int(meta["n_layers"])
     layers: list[dict[str, mx.array]] = [{} for _ in range(n_layers)]
     extras: dict[str, Any] = dict(meta.get("extras") or {})
+    mtp = {name[4:]: value for name, value in tensors.items() if name.startswith("mtp.")}
+    mtp_kind = meta.get("mtp_kind")
+    if bool(mtp) != (mtp_kind is not None):
+        raise StateFileError(
+            f"state file {path}: its MTP head history is incomplete (header and tensors disagree)"
+        )
     for name, value in tensors.items():
         if name.startswith("extras."):
             extras[name[len("extras.") :]] = value
+            continue
+        if name.startswith("mtp."):
             continue
         _, index, key = name.split(".", 2)
         if not 0 <= int(index) < n_layers:
@@ -496,11 +511,19 @@ def read_state_file(path: str | Path, model: Any) -> StateSnapshot:
     tokens = [int(t) for t in meta["tokens"]]
     if len(tokens) != int(meta["n_tokens"]):
         raise StateFileError(f"state file {path}: token count disagrees with its header")
-    return StateSnapshot(tokens=tokens, layers=layers, extras=extras, kinds=meta.get("kinds"))
+    return StateSnapshot(
+        tokens=tokens,
+        layers=layers,
+        extras=extras,
+        kinds=meta.get("kinds"),
+        mtp=mtp or None,
+        mtp_kind=mtp_kind,
+    )
 
 
 def check_compatible(snap: StateSnapshot, state: SequenceState, where: str = "state file") -> None:
-    """Refuse a snapshot whose layers do not match `state` (layer count and state kinds)."""
+    """Refuse a snapshot whose layers do not match `state` (layer count and state kinds), or
+    whose MTP head history does not (its kind and shape: SequenceState.check_mtp)."""
     if len(snap.layers) != len(state.layers):
         raise StateFileError(
             f"{where} has {len(snap.layers)} layers; this model's state has {len(state.layers)}"
@@ -512,6 +535,10 @@ def check_compatible(snap: StateSnapshot, state: SequenceState, where: str = "st
             f"{where}: layer {bad} holds {snap.kinds[bad]} state; this session uses {kinds[bad]} "
             "(different state format or KV options)"
         )
+    try:
+        state.check_mtp(snap)
+    except RewindError as e:
+        raise StateFileError(f"{where}: {e}") from None
 
 
 def restore_state_file(path: str | Path, model: Any, state: SequenceState) -> StateSnapshot:

@@ -2,7 +2,8 @@
 token, greedy and seeded sampling alike: dense fixtures, the demo (n-gram drafts), tiny
 qwen3_5 and qwen4_exp (MTP drafts). Oracle drafts (the plain stream's own continuation, partly
 corrupted) force long accepted runs and rejections at every offset, so rollback is exercised;
-the MTP head's history is checked against a head fed the trunk's own features."""
+the MTP head's history is checked against a head fed the trunk's own features, and against a
+session that ran on after a state file restore or a rewind (it is part of the state)."""
 
 from __future__ import annotations
 
@@ -314,7 +315,7 @@ def mtp_history_matches_the_trunk(model, state):
     """The head's KV after decoding == a head fed the trunk's features of every position:
     no entry computed from chained draft features survived the rollbacks. (Tolerance: the
     reference runs the whole sequence through chunked Gated DeltaNet, decode steps did not.)"""
-    track = drafts._TRACKS[state]
+    track = state.mtp
     track.flush(model.net)
     tokens = state.tokens
     ref_state = model.new_state()
@@ -527,7 +528,9 @@ def test_session_text_and_fallbacks(dense):
     assert session.last_stats.draft is None and session.last_stats.forwards == 0
 
 
-@pytest.mark.parametrize(("which", "mode"), [("dense", "ngram"), ("hybrid", "mtp")])
+@pytest.mark.parametrize(
+    ("which", "mode"), [("dense", "ngram"), ("hybrid", "mtp"), ("flash", "mtp")]
+)
 def test_after_rewind_and_after_restoring_a_state_file(request, tmp_path, which, mode):
     model = request.getfixturevalue(which)
     first = repetitive(1, period=4, repeats=3)
@@ -550,6 +553,100 @@ def test_after_rewind_and_after_restoring_a_state_file(request, tmp_path, which,
     spec = turns(mode, tmp_path / "spec")
     assert spec == plain
     assert spec[2] == len(first)  # the third turn started from a restored state file
+
+
+# ----- the MTP head's history is part of the state --------------------------------------------
+def record_drafts(monkeypatch) -> list[tuple[int, int, list[int]]]:
+    """Every MTP proposal from now on: (trunk position, token drafted after, draft tokens)."""
+    log: list[tuple[int, int, list[int]]] = []
+    real = drafts.MTPTrack.draft
+
+    def draft(self, net, next_token, k):
+        out, keep = real(self, net, next_token, k)
+        log.append((self.seen, next_token, list(out)))
+        return out, keep
+
+    monkeypatch.setattr(drafts.MTPTrack, "draft", draft)
+    return log
+
+
+def head_history(state) -> dict[str, np.ndarray]:
+    """The MTP track's snapshot as numpy (head KV and offset, positions, seen, features)."""
+    snap = state.mtp.snapshot() or {}
+    return {
+        k: np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v) for k, v in snap.items()
+    }
+
+
+def assert_same_history(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    assert "positions" in want and len(want["positions"]) > 0
+    for name in want:
+        assert got[name].shape == want[name].shape and np.array_equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("which", ["hybrid", "flash"])
+def test_mtp_history_survives_a_state_file(request, tmp_path, monkeypatch, which):
+    """A follow-up restored from a state file in a fresh session (an empty memory tier: the
+    file is read) drafts what the session that ran on drafts: the same proposals at the same
+    positions, and the same head KV, bit for bit; the tokens are the plain ones."""
+    model = request.getfixturevalue(which)
+    log = record_drafts(monkeypatch)
+    rng = np.random.default_rng(21)
+    first, more = rng.integers(3, 200, 13).tolist(), rng.integers(3, 200, 6).tolist()
+
+    def follow_up(session, ids, opts):
+        log.clear()
+        events = list(session.generate(ids, **opts))
+        text = "".join(e.text or "" for e in events if e.type == "text")
+        return text, list(log), head_history(session.state)
+
+    def turns(draft, store_dir):
+        opts = {"max_tokens": 12, "stop_token_ids": [], "draft": draft}
+        went_on = model.session(cache=PrefixStore(store_dir))
+        list(went_on.generate(first, **opts))
+        ids = went_on.state.tokens + more  # the stored final state is a prefix of it
+        want = follow_up(went_on, ids, opts)  # the live state: nothing restored
+        fresh = model.session(cache=PrefixStore(store_dir))
+        got = follow_up(fresh, ids, opts)
+        assert fresh.last_stats.cached_tokens == len(ids) - len(more)
+        return want, got
+
+    want, got = turns("mtp", tmp_path / "mtp")
+    assert got[1] == want[1] and len(want[1]) > 1
+    assert_same_history(got[2], want[2])
+    plain_want, plain_got = turns("off", tmp_path / "off")
+    assert got[0] == want[0] == plain_want[0] == plain_got[0]
+
+
+@pytest.mark.parametrize("which", ["hybrid", "flash"])
+def test_mtp_history_survives_a_rewind_to_a_stored_boundary(request, monkeypatch, which):
+    """Rewound to the prompt boundary after decoding, the head drafts the next prompt's
+    continuation as a session that stopped at that boundary does (the save point keeps the
+    features of its last position); the tokens are the plain ones."""
+    model = request.getfixturevalue(which)
+    log = record_drafts(monkeypatch)
+    rng = np.random.default_rng(22)
+    first, more = rng.integers(3, 200, 13).tolist(), rng.integers(3, 200, 6).tolist()
+    params = SamplingParams(max_tokens=12, stop_token_ids=[])
+
+    def at_boundary(draft, n):
+        session = model.session(cache=False)
+        list(session.generate(first, max_tokens=n, stop_token_ids=[], draft=draft))
+        session.rewind(session.state.offset - len(first))  # n=1: nothing was fed after it
+        return session.state
+
+    def run_more(state, draft):
+        log.clear()
+        out = list(model.run(more, state, params, resolve(DraftOptions(draft), model)))
+        return out, list(log), head_history(state)
+
+    got = run_more(at_boundary("mtp", 12), "mtp")
+    want = run_more(at_boundary("mtp", 1), "mtp")
+    assert got[1] == want[1] and len(want[1]) > 1
+    assert_same_history(got[2], want[2])
+    plain = run_more(at_boundary("off", 12), "off")
+    assert got[0] == want[0] == plain[0]
 
 
 # ----- the premise and cancel ----------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,6 +26,7 @@ import qwen38_backend  # noqa: E402
 from qwen38_backend import state_files as sf  # noqa: E402
 from qwen38_backend.errors import StateFileError  # noqa: E402
 from qwen38_backend.sampling import SamplingParams  # noqa: E402
+from qwen38_backend.speculative import DraftOptions  # noqa: E402
 from qwen38_backend.state import RewindError  # noqa: E402
 
 PROMPT = [(i * 37 + 11) % 480 + 10 for i in range(40)]
@@ -206,10 +208,13 @@ def test_wrong_model_refused(dense_model, tmp_path):
 
 
 def test_wrong_version_refused(dense_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(sf, "FORMAT_VERSION", 2)  # as written by a future build
+    version = sf.FORMAT_VERSION
+    monkeypatch.setattr(sf, "FORMAT_VERSION", version + 1)  # as written by a future build
     path = _saved(dense_model, tmp_path)
-    monkeypatch.setattr(sf, "FORMAT_VERSION", 1)
-    with pytest.raises(StateFileError, match="format version 2; this build reads version 1"):
+    monkeypatch.setattr(sf, "FORMAT_VERSION", version)
+    with pytest.raises(
+        StateFileError, match=f"format version {version + 1}; this build reads version {version}"
+    ):
         sf.read_state_file(path, dense_model)
 
 
@@ -264,6 +269,116 @@ def test_overwrite_is_atomic(dense_model, tmp_path, monkeypatch):
         sf.save_state_file(path, state, dense_model)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# ----- the MTP head's history (format version 2) -------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_5_model(qwen3_5_dir):
+    return qwen38_backend.load(str(qwen3_5_dir))
+
+
+MTP = DraftOptions("mtp", 2)
+
+
+def _drafted(model, n=8):
+    """A state whose MTP head has a history: PROMPT[:20] fed to it, then n tokens drafted."""
+    state = model.new_state()
+    list(model.run(PROMPT[:20], state, SamplingParams(max_tokens=n, stop_token_ids=[]), MTP))
+    return state
+
+
+def _history(state) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in (state.mtp.snapshot() or {}).items()}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["snapshot", "streamed"])
+def test_mtp_history_round_trips(qwen3_5_model, tmp_path, monkeypatch, stream):
+    model, state = qwen3_5_model, _drafted(qwen3_5_model)
+    if stream:  # a live state written one layer at a time
+        monkeypatch.setattr(sf, "STREAM_BYTES", 0)
+    path = tmp_path / f"m{sf.SUFFIX}"
+    sf.save_state_file(path, state, model)
+    assert any(name.startswith("mtp.head.") for name in mx.load(str(path)))
+    restored = model.new_state()
+    snap = sf.restore_state_file(path, model, restored)
+    assert snap.mtp_kind == state.mtp.kind
+    want, got = _history(state), _history(restored)
+    assert sorted(got) == sorted(want)
+    fed = len(want["positions"]) + len(want.get("queue_ids", []))
+    assert fed == state.offset - 1  # every position but the last (its token is not known)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
+def test_old_state_file_without_mtp_history_restores(qwen3_5_model, tmp_path, monkeypatch):
+    """A version 1 file (written before the MTP part existed) restores with an empty head,
+    which then follows from the restored position; the drafted tokens are the plain ones."""
+    model, state = qwen3_5_model, _drafted(qwen3_5_model)
+    path = tmp_path / f"v1{sf.SUFFIX}"
+    with monkeypatch.context() as m:
+        m.setattr(sf, "FORMAT_VERSION", 1)
+        sf.save_state_file(path, replace(state.snapshot(), mtp=None, mtp_kind=None), model)
+    hlen = int.from_bytes(path.read_bytes()[:8], "little")
+    table = json.loads(path.read_bytes()[8 : 8 + hlen])
+    meta = json.loads(table["__metadata__"][sf.META_KEY])
+    assert meta["version"] == 1 and "mtp_kind" not in meta
+    assert not any(name.startswith("mtp.") for name in table)
+    outs = []
+    for draft in (MTP, None):
+        restored = model.new_state()
+        sf.restore_state_file(path, model, restored)
+        assert restored.tokens == state.tokens and restored.mtp.snapshot() is None
+        params = SamplingParams(max_tokens=10, stop_token_ids=[])
+        outs.append(list(model.run(CONT[:3], restored, params, draft)))
+    assert outs[0] == outs[1]
+    assert restored.offset > len(state.tokens)
+
+
+def _refused_mtp(model, tmp_path, snap, match: str) -> None:
+    path = tmp_path / f"bad{sf.SUFFIX}"
+    sf.save_state_file(path, snap, model)
+    target = model.new_state()
+    with pytest.raises(StateFileError, match=match):
+        sf.restore_state_file(path, model, target)
+    assert target.offset == 0 and target.mtp.snapshot() is None  # untouched
+
+
+def test_mismatched_or_corrupt_mtp_history_refused(qwen3_5_model, tmp_path):
+    model, state = qwen3_5_model, _drafted(qwen3_5_model)
+    snap = state.snapshot()
+    mtp = dict(snap.mtp)
+    bad = {
+        "kind": (replace(snap, mtp_kind="MTPTrack/v0"), "MTP head history is MTPTrack/v0"),
+        "entries": (
+            replace(snap, mtp={**mtp, "positions": mtp["positions"][:-1]}),
+            "MTP head history: its head holds",
+        ),
+        "seen": (
+            replace(snap, mtp={**mtp, "seen": mx.array(snap.offset + 1, dtype=mx.int64)}),
+            "MTP head history: it has seen",
+        ),
+        "missing": (
+            replace(snap, mtp={k: v for k, v in mtp.items() if k != "positions"}),
+            "MTP head history: it has no 'positions'",
+        ),
+    }
+    for why, (bad_snap, match) in bad.items():
+        _refused_mtp(model, tmp_path / why, bad_snap, match)
+    # tensors without the header's kind: refused on read
+    path = tmp_path / f"nokind{sf.SUFFIX}"
+    sf.save_state_file(path, replace(snap, mtp_kind=None), model)
+    with pytest.raises(StateFileError, match="MTP head history is incomplete"):
+        sf.read_state_file(path, model)
+    # one flipped bit in the head's keys
+    path = tmp_path / f"flip{sf.SUFFIX}"
+    sf.save_state_file(path, snap, model)
+    data = bytearray(path.read_bytes())
+    hlen = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8 : 8 + hlen])["mtp.head.kv.keys"]["data_offsets"]
+    data[8 + hlen + begin] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateFileError, match="tensor mtp.head.kv.keys fails its checksum"):
+        sf.read_state_file(path, model)
 
 
 # ----- rollback ---------------------------------------------------------------------------------
