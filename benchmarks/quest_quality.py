@@ -40,6 +40,21 @@ VARIANTS = {
     # 16-token pages, shared: more recall per K/V byte, 2x the metadata (kv_page_tokens=16).
     "page16_shared": {"page_tokens": 16, "sinks": 32, "recent": 64, "shared": True},
     "page16": {"page_tokens": 16, "sinks": 32, "recent": 64, "shared": False},
+    # Metadata in bf16 rounded outward (still a bound): 16-token pages at the default's bytes.
+    "new_bf16": {
+        "page_tokens": 32,
+        "sinks": 32,
+        "recent": 64,
+        "shared": True,
+        "meta_dtype": mx.bfloat16,
+    },
+    "page16_bf16": {
+        "page_tokens": 16,
+        "sinks": 32,
+        "recent": 64,
+        "shared": True,
+        "meta_dtype": mx.bfloat16,
+    },
 }
 
 

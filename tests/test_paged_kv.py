@@ -15,6 +15,7 @@ import qwen38_backend
 from qwen38_backend.errors import InvalidOptionError
 from qwen38_backend.kv import PagedKV, collect_kv_stats, make_kv_factory
 from qwen38_backend.kv.contiguous import ContiguousKV
+from qwen38_backend.kv.quest import outward_bf16
 from qwen38_backend.models import build_model
 from qwen38_backend.models.assign import assign_weights
 from qwen38_backend.sampling import SamplingParams
@@ -136,6 +137,36 @@ def test_metadata_is_min_max_of_each_page():
     np.testing.assert_array_equal(view[:9].reshape(36, 2, 8), keys[:, :36].transpose(1, 0, 2))
 
 
+def test_bf16_metadata_is_the_outward_rounded_min_max():
+    store, keys, values = filled_store(length=38, page=4, meta_dtype=mx.bfloat16)
+    n_sealed = 38 // 4
+    pages = mx.array(keys[:, : n_sealed * 4].reshape(2, n_sealed, 4, 8))
+    lo, hi = outward_bf16(pages.min(axis=2), pages.max(axis=2))
+    assert store.kmin.dtype == mx.bfloat16 and store.kmin[:, 0].nbytes == 2 * 8 * 2
+    np.testing.assert_array_equal(f32(store.kmin[:, :n_sealed]), f32(lo))
+    np.testing.assert_array_equal(f32(store.kmax[:, :n_sealed]), f32(hi))
+    # a snapshot keeps them; a fp32 store restoring it recomputes its own from the rows
+    snap = store.snapshot()
+    again = PagedKV(page_tokens=4, meta_dtype=mx.bfloat16)
+    again.restore(snap)
+    assert_same_store(again, store)
+    fp32 = PagedKV(page_tokens=4)
+    fp32.restore(snap)
+    direct, _, _ = filled_store(length=38, page=4)
+    assert_same_store(fp32, direct)
+    with pytest.raises(InvalidOptionError, match="float32 or bfloat16"):
+        PagedKV(meta_dtype=mx.float16)
+
+
+def test_full_selection_with_bf16_metadata_equals_dense():
+    ids = prompt(90, 400, seed=4)
+    net = load_dense_net(DENSE_ARCHS[0])
+    dense = net_greedy(net, ids, ContiguousKV)
+    factory = functools.partial(PagedKV, page_tokens=8, budget=4096, meta_dtype=mx.bfloat16,
+                                always_select=True)  # fmt: skip
+    assert net_greedy(net, ids, factory) == dense
+
+
 def reference_attention(q, keys, values, pages_per_head, length, page, scale):
     """numpy attention of q [Hq, D] over each head's selected pages."""
     hkv = keys.shape[0]
@@ -226,6 +257,11 @@ def test_shared_selection_is_the_top_k_of_the_bound_summed_over_heads():
         np.testing.assert_allclose(np.array(out)[0, :, 0], ref, rtol=1e-5, atol=1e-5)
 
 
+def f32(a: mx.array) -> np.ndarray:
+    """numpy has no bf16: compare metadata as fp32 (exact for bf16 values)."""
+    return np.array(a.astype(mx.float32))
+
+
 def assert_same_store(a: PagedKV, b: PagedKV) -> None:
     assert a.length == b.length and len(a.table) == len(b.table)
     n_sealed = a.length // a.page_tokens
@@ -233,8 +269,9 @@ def assert_same_store(a: PagedKV, b: PagedKV) -> None:
         return
     for x, y in zip(a._dense_kv(), b._dense_kv(), strict=True):
         np.testing.assert_array_equal(np.array(x), np.array(y))
-    np.testing.assert_array_equal(np.array(a.kmin[:, :n_sealed]), np.array(b.kmin[:, :n_sealed]))
-    np.testing.assert_array_equal(np.array(a.kmax[:, :n_sealed]), np.array(b.kmax[:, :n_sealed]))
+    assert a.kmin.dtype == b.kmin.dtype
+    for x, y in ((a.kmin, b.kmin), (a.kmax, b.kmax)):
+        np.testing.assert_array_equal(f32(x[:, :n_sealed]), f32(y[:, :n_sealed]))
     if a.length % a.page_tokens:
         np.testing.assert_array_equal(np.array(a.open_min), np.array(b.open_min))
         np.testing.assert_array_equal(np.array(a.open_max), np.array(b.open_max))

@@ -13,6 +13,7 @@ from qwen38_backend.kv.quest import (
     SUMMARIES,
     forced_pages,
     order_keys,
+    outward_bf16,
     page_min_max,
     page_scores,
     page_summary,
@@ -55,6 +56,41 @@ def test_bound_dominates_every_key_in_the_page(case):
     assert (scores[:, :, None] >= dots - tol[:, :, None]).all()
     # The bound is tight per dimension: it is reached by the corner key of the box.
     assert (literal >= dots.max(axis=2) - 1e-9).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(pages_and_query())
+def test_bf16_outward_metadata_still_bounds_every_key(case):
+    """Min rounded down and max rounded up to bf16: each within one bf16 step of the fp32
+    value, and the bound from them still dominates q.k of every key in the page."""
+    q, keys, group = case
+    hkv, _, _, d = keys.shape
+    kmin, kmax = page_min_max(mx.array(keys))
+    lo, hi = outward_bf16(kmin, kmax)
+    assert lo.dtype == hi.dtype == mx.bfloat16
+    lo64, hi64 = (
+        np.array(lo.astype(mx.float32), np.float64),
+        np.array(hi.astype(mx.float32), np.float64),
+    )
+    mn, mxv = np.array(kmin, np.float64), np.array(kmax, np.float64)
+    assert (lo64 <= mn).all() and (hi64 >= mxv).all()
+    step = 2.0**-7 * np.maximum(np.abs(mn), np.abs(mxv)) + 1e-38
+    assert (mn - lo64 <= step).all() and (hi64 - mxv <= step).all()
+    scores = np.array(quest_scores(mx.array(q), lo, hi), np.float64)
+    qg = q.reshape(hkv, group, d).astype(np.float64)
+    dots = np.einsum("hgd,hnpd->hnp", qg, keys.astype(np.float64))
+    tol = 1e-4 * (1 + np.abs(scores))
+    assert (scores[:, :, None] >= dots - tol[:, :, None]).all()
+
+
+def test_outward_bf16_at_signs_zeros_and_exact_values():
+    x = mx.array([0.0, -0.0, 1.0, -1.0, 1.0 + 2**-10, -(1.0 + 2**-10), 3e-39, -3e-39], mx.float32)
+    lo, hi = (np.array(a.astype(mx.float32)) for a in outward_bf16(x, x))
+    xv = np.array(x)
+    assert (lo <= xv).all() and (hi >= xv).all()
+    np.testing.assert_array_equal(lo[:4], xv[:4])  # representable values stay put
+    np.testing.assert_array_equal(hi[:4], xv[:4])
+    assert lo[4] == 1.0 and hi[4] == 1.0 + 2**-7 and lo[5] == -(1.0 + 2**-7) and hi[5] == -1.0
 
 
 def brute_force(scores: np.ndarray, forced: np.ndarray, n_select: int) -> np.ndarray:

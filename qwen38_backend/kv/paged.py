@@ -42,7 +42,7 @@ from ..errors import AdmissionError, InvalidOptionError, SpillError
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .one_token import attend_one_token
 from .pool import PagePool, PoolFullError
-from .quest import forced_pages, page_min_max, selector
+from .quest import forced_pages, outward_bf16, page_min_max, selector
 from .spill import SpillFile
 from .table import SPILLED, PageTable, from_host
 
@@ -73,6 +73,7 @@ class PagedKV:
         pool_pages: int | Callable[[int], int | None] | None = None,
         spill: SpillFile | None = None,
         shared: bool = True,
+        meta_dtype: mx.Dtype = mx.float32,
     ):
         if mode not in ("on", "auto"):
             raise InvalidOptionError(f"PagedKV mode {mode!r}: must be 'on' or 'auto'")
@@ -90,6 +91,11 @@ class PagedKV:
         self.mode = mode
         # One selection for all KV heads (quest.shared_scores) or one per KV head.
         self.shared = shared
+        # Page min/max kept in fp32, or in bf16 rounded outward (quest.outward_bf16: still a
+        # bound, half the bytes); the open page's running min/max stays fp32.
+        if meta_dtype not in (mx.float32, mx.bfloat16):
+            raise InvalidOptionError(f"Quest metadata dtype {meta_dtype}: float32 or bfloat16")
+        self.meta_dtype = meta_dtype
         # `auto` decodes densely until selecting would skip most of the context.
         self.sparse_from = 4 * self.budget_pages * P if mode == "auto" else 0
         self.always_select = always_select  # tests: run the gather path even if it covers all
@@ -115,7 +121,7 @@ class PagedKV:
         self._behind_at = 0
         self._fetched = 0  # pages fetched (so evicted) since the written reserve was topped up
         self.length = 0
-        self.kmin: mx.array | None = None  # [Hkv, meta_capacity, D] fp32, by logical page
+        self.kmin: mx.array | None = None  # [Hkv, meta_capacity, D] meta_dtype, by page
         self.kmax: mx.array | None = None
         self.open_min: mx.array | None = None  # [Hkv, D] fp32 running min of the open page
         self.open_max: mx.array | None = None
@@ -136,7 +142,8 @@ class PagedKV:
             return
         grow = max(n_pages - cap, 64, cap // 2)
         # Two distinct arrays: slice writes update an mx.array object in place.
-        pad_min, pad_max = mx.zeros((hkv, grow, d)), mx.zeros((hkv, grow, d))
+        pad_min = mx.zeros((hkv, grow, d), self.meta_dtype)
+        pad_max = mx.zeros((hkv, grow, d), self.meta_dtype)
         if self.kmin is None:
             self.kmin, self.kmax = pad_min, pad_max
         else:
@@ -146,6 +153,8 @@ class PagedKV:
     def _seal(self, first: int, mins: mx.array, maxs: mx.array) -> None:
         """Record Quest metadata [Hkv, n, D] of pages first..first+n-1."""
         n = mins.shape[1]
+        if self.meta_dtype == mx.bfloat16:
+            mins, maxs = outward_bf16(mins, maxs)
         self.kmin[:, first : first + n] = mins
         self.kmax[:, first : first + n] = maxs
 
@@ -533,7 +542,7 @@ class PagedKV:
         self.stats["sparse_steps"] += 1
         self.stats["pages_selected"] += n_sel * hkv
         self.stats["kv_read_bytes"] += 2 * n_rows * hkv * d * item
-        self.stats["meta_read_bytes"] += 2 * n_pages * hkv * d * 4
+        self.stats["meta_read_bytes"] += 2 * n_pages * hkv * d * self.kmin.itemsize
         return out
 
     # ----- LayerState -----------------------------------------------------------------------
@@ -583,8 +592,8 @@ class PagedKV:
         if not self.quest:
             self.append(keys, values, meta=False)
             return
-        if "quest_min" not in tensors:  # written by a store without Quest: recompute
-            same_pages = False
+        if "quest_min" not in tensors or tensors["quest_min"].dtype != self.meta_dtype:
+            same_pages = False  # written without Quest, or in another dtype: recompute
         # With another page size the metadata is recomputed from the rows being written.
         self.append(keys, values, meta=not same_pages)
         if same_pages:

@@ -36,6 +36,24 @@ def page_min_max(rows: mx.array) -> tuple[mx.array, mx.array]:
     return rows.min(axis=2), rows.max(axis=2)
 
 
+def _round_bf16(x: mx.array, down: bool) -> mx.array:
+    """fp32 -> bf16 rounded toward -inf (down) or +inf (up), exactly: drop the 16 low bits
+    (toward zero), then step one bf16 ulp away from zero where that went the wrong way."""
+    bits = mx.view(x.astype(mx.float32), mx.uint32)
+    toward_zero = bits & 0xFFFF0000
+    inexact = (bits & 0xFFFF) != 0
+    negative = (bits & _SIGN) != 0
+    away = inexact & (negative == down)  # down on a negative, or up on a positive
+    rounded = mx.where(away, toward_zero + 0x10000, toward_zero)
+    return mx.view(rounded, mx.float32).astype(mx.bfloat16)  # exact: low bits are zero
+
+
+def outward_bf16(mins: mx.array, maxs: mx.array) -> tuple[mx.array, mx.array]:
+    """Page min/max in bf16 rounded outward (min down, max up): half the metadata bytes, and
+    the Quest bound computed from them still bounds every key of the page."""
+    return _round_bf16(mins, down=True), _round_bf16(maxs, down=False)
+
+
 def quest_scores(q: mx.array, kmin: mx.array, kmax: mx.array) -> mx.array:
     """Quest bound per KV head and page, summed over each KV group's query heads.
 
