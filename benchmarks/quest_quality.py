@@ -46,20 +46,25 @@ VARIANTS = {
         "sinks": 32,
         "recent": 64,
         "shared": True,
-        "meta_dtype": mx.bfloat16,
+        "meta_dtype": "bfloat16",
     },
     "page16_bf16": {
         "page_tokens": 16,
         "sinks": 32,
         "recent": 64,
         "shared": True,
-        "meta_dtype": mx.bfloat16,
+        "meta_dtype": "bfloat16",
     },
 }
 
 
 def paged_state(net, ref: dict, prefix: int, budget: int, options: dict):
     """A paged state holding the prefix's K/V (metadata recomputed from the rows)."""
+    options = dict(options)
+    if "meta_dtype" in options:  # named in VARIANTS (JSON-friendly)
+        options["meta_dtype"] = getattr(mx, options["meta_dtype"])
+    else:  # the variants before bf16 metadata: fp32 page min/max
+        options["meta_dtype"] = mx.float32
     state = net.make_state(kv_factory=functools.partial(PagedKV, budget=budget, **options))
     layers = [
         # page_tokens 0 never matches: the store recomputes its page metadata from the rows.

@@ -18,7 +18,7 @@ config and the options alone (a config dict is enough: `qwen38 info MODEL --cont
   every sealed page (pages leave the pool once written and are written once per version);
   `admit` checks it against the free space of the spill directory.
 - kv_growth: the transient of the last growth (the old buffer lives until the copy is done).
-- quest_meta: per sealed page, per KV head, key min and max (paged store only; resident;
+- quest_meta: per sealed page, per KV head, key min and max in bf16 (paged store only; resident;
   not for Flash-Next, whose QSA indexer selects).
 - recurrent: Gated DeltaNet state, fp32 [value heads, key dim, value dim] per layer, plus
   the conv rows (kernel - 1) x conv channels in the state dtype.
@@ -61,7 +61,7 @@ from .kv.policy import (
     spill_root,
 )
 from .kv.pool import grown_capacity
-from .kv.quest import forced_pages
+from .kv.quest import META_DTYPE, forced_pages
 
 PLAN_OPTIONS = frozenset(
     {
@@ -411,9 +411,10 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         add(
             Component(
                 "quest_meta",
-                sealed * n_attn * hkv * hd * 2 * 4,
+                sealed * n_attn * hkv * hd * 2 * META_DTYPE.size,
                 "ram",
-                f"{sealed} sealed pages x {n_attn} layers x {hkv} heads x {hd} x (min,max) fp32",
+                f"{sealed} sealed pages x {n_attn} layers x {hkv} heads x {hd} x (min,max) "
+                f"{META_DTYPE}",
             )
         )
 

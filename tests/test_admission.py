@@ -87,7 +87,7 @@ def test_plan_matches_recurrent_state_of_tiny_qwen3_5(tmp_path):
 def test_paged_plan_counts_pages_and_quest_metadata(dense):
     plan = memory_plan(dense, 100, kv_paged="on", kv_page_tokens=8, prompt_tokens=100)
     assert plan["kv"] == 64 * 8 * 2 * 2 * 32 * 2 * 4  # 64 pages (the minimum block)
-    assert plan["quest_meta"] == (100 // 8) * 2 * 2 * 32 * 2 * 4
+    assert plan["quest_meta"] == (100 // 8) * 2 * 2 * 32 * 2 * 2  # bf16 min and max
     n = 3000  # several x1.5 pool growths: the simulated capacity is what the pool allocates
     state = dense.new_state(kv_paged="on", kv_page_tokens=8)
     dense.prefill([i % 400 + 10 for i in range(n)], state)

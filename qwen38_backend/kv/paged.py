@@ -42,7 +42,7 @@ from ..errors import AdmissionError, InvalidOptionError, SpillError
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .one_token import attend_one_token
 from .pool import PagePool, PoolFullError
-from .quest import forced_pages, outward_bf16, page_min_max, selector
+from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector
 from .spill import SpillFile
 from .table import SPILLED, PageTable, from_host
 
@@ -73,7 +73,7 @@ class PagedKV:
         pool_pages: int | Callable[[int], int | None] | None = None,
         spill: SpillFile | None = None,
         shared: bool = True,
-        meta_dtype: mx.Dtype = mx.float32,
+        meta_dtype: mx.Dtype = META_DTYPE,
     ):
         if mode not in ("on", "auto"):
             raise InvalidOptionError(f"PagedKV mode {mode!r}: must be 'on' or 'auto'")
