@@ -29,8 +29,9 @@ import mlx.core as mx
 _SIGN = 0x80000000
 _LOW32 = 0xFFFFFFFF
 # Page min/max are kept in bf16 rounded outward (outward_bf16): half the bytes of fp32, still
-# a bound, and the same selection quality on the demo (benchmarks/quest_quality.py:
-# top-1 agreement equal to fp32's at every ratio from 4x to 32x).
+# a bound, and the same selection quality on the demo (benchmarks/quest_quality.py: top-1
+# agreement within one token of 128 of fp32's at every ratio from 4x to 32x, mean |d log p|
+# within 0.002).
 META_DTYPE = mx.bfloat16
 
 
