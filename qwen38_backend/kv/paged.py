@@ -304,24 +304,28 @@ class PagedKV:
         self.stats["pages_fetched"] += n_pages
         self.stats["spill_read_bytes"] += n_pages * self.table.spill.page_bytes
 
+    def _upload(self, pages: list[int], fetched: dict) -> tuple[mx.array, mx.array]:
+        """K and V of fetched pages as [Hkv, n * P, D] on the device: one host-to-device
+        copy for all of them (a copy per page cost ~0.5 ms each on the H200's host)."""
+        both = np.stack([np.concatenate([fetched[p][i] for p in pages], 1) for i in (0, 1)])
+        both = from_host(both, self.pool.k.dtype)
+        return both[:1].squeeze(0), both[1:].squeeze(0)  # views ([0] would be a gather)
+
     def _assemble(self, start: int, end: int, fetched: dict) -> tuple[mx.array, mx.array]:
         """Rows [start, end) (start page-aligned) from resident runs and fetched pages."""
         P = self.page_tokens
         slots = self.table.slots
-        dtype = self.pool.k.dtype
         parts_k, parts_v = [], []
         page, last = start // P, -(-end // P)
         while page < last:
-            if slots[page] == SPILLED:
-                k, v = fetched[page]
-                parts_k.append(from_host(k, dtype))
-                parts_v.append(from_host(v, dtype))
-                page += 1
-                continue
+            spilled = slots[page] == SPILLED
             run = page
-            while run < last and slots[run] != SPILLED:
+            while run < last and (slots[run] == SPILLED) == spilled:
                 run += 1
-            k, v = self._span(page * P, run * P)
+            if spilled:
+                k, v = self._upload(list(range(page, run)), fetched)
+            else:
+                k, v = self._span(page * P, run * P)
             parts_k.append(k)
             parts_v.append(v)
             page = run
@@ -364,14 +368,8 @@ class PagedKV:
         except PoolFullError as e:
             raise self._pool_full(e, "decode selection") from None
         P = self.page_tokens
-        dtype = self.pool.k.dtype
         rows = (mx.array(slots, dtype=mx.int32)[:, None] * P + mx.arange(P)).reshape(-1)
-        # One host-to-device copy for all of them: [K|V, Hkv, n * P, D].
-        both = from_host(
-            np.stack([np.concatenate([data[p][i] for p in pages], 1) for i in (0, 1)]), dtype
-        )
-        self.pool.k[:, rows] = both[0]
-        self.pool.v[:, rows] = both[1]
+        self.pool.k[:, rows], self.pool.v[:, rows] = self._upload(pages, data)
         self.table.place(pages, slots)
         # The allocations evicted pages: once they used half the written reserve, the next
         # selection tops it up, so evictions find clean pages instead of writing them while
