@@ -1,6 +1,7 @@
 """Quest page metadata and selection (Tang et al., 2024), in plain MLX ops on device.
 
-Each sealed page keeps, per KV head, the elementwise min and max of its keys. For a query q
+Each sealed page keeps, per KV head, the elementwise min and max of its keys (in bf16 rounded
+outward by default, META_DTYPE: the bound below still holds). For a query q
 the Quest bound of a page is sum_d max(q_d * min_d, q_d * max_d), an upper bound of q . k for
 every key k in the page. Since max(q*lo, q*hi) = relu(q) * hi + min(q, 0) * lo, the bound is two
 matmuls, and summing it over the query heads of a KV group is the same two matmuls applied to
