@@ -194,9 +194,7 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
         first_recent = mx.maximum(n_pages - 1 - recent_pages, 0)
         forced = live & ((ids < sink_pages) | (ids >= first_recent))
         scores = mx.where(live, scores, mx.array(-float("inf"), mx.float32))
-        scores = mx.where(forced, mx.array(float("inf"), mx.float32), scores)
-        top = mx.argpartition(~order_keys(scores), kth=n_select - 1, axis=-1)[:, :n_select]
-        pages = mx.sort(top.astype(mx.int32), axis=-1)
+        pages = select_pages(scores, forced, n_select)  # dead pages score lowest of all
         return mx.broadcast_to(pages, (kmin.shape[0], n_select))
 
     return mx.compile(select)

@@ -315,9 +315,6 @@ class SpillRegion:
             v = self.version.get(page)
             return v is not None and self.done.get(page) == v
 
-    def is_pending(self, page: int) -> bool:
-        return not self.unqueued([page])
-
     def unqueued(self, pages: list[int]) -> list[int]:
         """Those of `pages` neither on disk nor queued in their current version (one lock)."""
         with self.io.cond:
