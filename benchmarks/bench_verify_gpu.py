@@ -18,6 +18,7 @@ rows are identical. `--dims tiny --layers 4` smoke-tests it on a CPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import numpy as np  # noqa: E402
 from bench_gpu_27b import prompt, random_model  # noqa: E402
 from common import write_json  # noqa: E402
 
@@ -45,6 +47,67 @@ def timed_forward(model, state, ids: list[int]) -> tuple[float, object]:
     return seconds, logits
 
 
+def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
+    """Real rounds through the engine (sampler, rollback, throttle included): greedy decode of
+    --e2e tokens after the prompt, plain vs n-gram rounds whose drafts are the plain stream
+    with each token kept with probability p (an oracle draft), for k = 1..--max-k. Decode
+    tok/s from the first token on, median of --e2e-runs; tokens must equal plain.
+    --profile-out: cProfile of one more drafted run at the first p and the last k."""
+    from qwen38_backend import drafts
+
+    def decode(**options) -> tuple[list[int], object, float]:
+        """Tokens, stats, and tok/s from the first token to the last (the prefill's tail and
+        the first token's latency are not decode)."""
+        stream = model.generate_tokens(ids, max_tokens=args.e2e, stop_token_ids=[], **options)
+        tokens = [next(stream)]
+        t = time.perf_counter()
+        tokens += list(stream)
+        return tokens, stream.stats, (len(tokens) - 1) / (time.perf_counter() - t)
+
+    def rate(**options) -> tuple[float, object, list[int]]:
+        runs = [decode(**options) for _ in range(args.e2e_runs)]
+        return statistics.median(r[2] for r in runs), runs[-1][1], runs[-1][0]
+
+    plain_rate, _, plain = rate(draft="off")
+    out: dict = {"tokens": args.e2e, "plain_tok_s": plain_rate, "by_p": {}}
+    real = drafts.ngram_match
+    try:
+        for p in (float(x) for x in args.p.split(",")):
+            rng = np.random.default_rng(0)
+
+            def oracle(tokens, k, max_n=3, p=p, rng=rng):
+                done = len(tokens) - len(ids)
+                want = plain[done : done + k]
+                return [t if rng.random() < p else (t + 1) % vocab for t in want], 3
+
+            drafts.ngram_match = oracle
+            by_k = {}
+            for k in range(1, args.max_k + 1):
+                speed, stats, tokens = rate(draft="ngram", draft_tokens=k)
+                by_k[str(k)] = {
+                    "tok_s": speed,
+                    "speedup": speed / plain_rate,
+                    "acceptance": stats.accepted / max(stats.drafted, 1),
+                    "forwards": stats.forwards,
+                    "identical_to_plain": tokens == plain,
+                }
+            best = max(by_k, key=lambda k: by_k[k]["tok_s"])
+            out["by_p"][str(p)] = {"by_k": by_k, "best_k": int(best), **by_k[best]}
+        if args.profile_out:
+            import cProfile
+            import pstats
+
+            profile = cProfile.Profile()
+            profile.enable()
+            decode(draft="ngram", draft_tokens=args.max_k)
+            profile.disable()
+            with open(args.profile_out, "w") as f:
+                pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(40)
+    finally:
+        drafts.ngram_match = real
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
@@ -54,11 +117,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--p", default="0.5,0.65,0.8,0.9")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--e2e", type=int, default=0, help="tokens decoded end to end (0: skip)")
+    ap.add_argument("--e2e-runs", type=int, default=3)
+    ap.add_argument("--profile-out", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import mlx.core as mx
-    import numpy as np
+
+    from qwen38_backend.rows import pad_rows
 
     model, config, nbytes = random_model(args.dims, args.layers, args.dtype)
     vocab = config["text_config"]["vocab_size"]
@@ -71,6 +138,14 @@ def main() -> None:
         runs = [timed_forward(model, state, draft[: k + 1])[0] for _ in range(args.runs)]
         costs[k] = statistics.median(runs)
     plain = costs[0]
+    # the plain step as it ran before row padding (one-row products): a row-exact verify is
+    # not possible then, but it is the fastest plain decoding; both are reported
+    os.environ["QWEN38_PAD_ROWS"] = "1"
+    timed_forward(model, state, draft[:1])
+    unpadded = statistics.median(
+        timed_forward(model, state, draft[:1])[0] for _ in range(args.runs)
+    )
+    del os.environ["QWEN38_PAD_ROWS"]
     result = {
         "dims": args.dims,
         "layers": args.layers,
@@ -79,7 +154,9 @@ def main() -> None:
         "mlx": mx.__version__,
         "context": args.context,
         "weights_bytes": nbytes,
+        "pad_rows": pad_rows(),
         "plain_step_ms": plain * 1e3,
+        "plain_step_unpadded_ms": unpadded * 1e3,
         "verify_ms": {str(k + 1): costs[k] * 1e3 for k in range(1, args.max_k + 1)},
         "verify_over_plain": {str(k + 1): costs[k] / plain for k in range(1, args.max_k + 1)},
         "oracle": {},
@@ -94,8 +171,11 @@ def main() -> None:
             "speedup_by_k": rates,
             "best_k": int(best),
             "best_speedup": rates[best],
+            "best_speedup_vs_unpadded": rates[best] * unpadded / plain,
             "best_tok_s": rates[best] / plain,
         }
+    if args.e2e:
+        result["end_to_end"] = end_to_end(model, prompt(args.context, vocab), args, vocab)
     # identity: rows of one (k+1)-position forward vs k+1 plain steps through the same tokens
     _, rows = timed_forward(model, state, draft)
     steps = []

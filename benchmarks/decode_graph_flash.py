@@ -155,8 +155,8 @@ def hooks(net, rec: Recorder):
     for owner, name, wrap in patches:
         setattr(owner, name, wrap(getattr(owner, name)))
     for m in methods:
-        for name, fn in list(m.items()):
-            m[name] = hooked_compiled(fn, name, rec)
+        for key, fn in list(m.items()):  # keyed (method, row padding)
+            m[key] = hooked_compiled(fn, key[0], rec)
     try:
         yield
     finally:
@@ -170,8 +170,9 @@ def hooks(net, rec: Recorder):
 
 
 def marked(rec: Recorder, part: str, out):
-    outs = out if isinstance(out, (tuple, list)) else [out]
-    rec.mark(part, [a for a in outs if a is not None])
+    from mlx.utils import tree_flatten
+
+    rec.mark(part, [a for _, a in tree_flatten(out) if a is not None])
     return out
 
 

@@ -3,10 +3,10 @@ in one forward, keep the longest prefix the model agrees with plus the token aft
 
 A round at position p feeds [last, d_1..d_k] (k+1 rows) and decides its tokens row by row
 with the same Sampler a plain step uses: row i gives the token plain decoding would give at
-p+i (on the CPU a row of a matmul is computed the same with 1 or k+1 rows: tested bit for bit,
-dense, paged, Gated DeltaNet, QSA; on a GPU a row can differ with the row count, so
-`resolve` keeps drafting off there: rows_match_steps). d_{i+1} is accepted while it equals
-that token; the first disagreeing row's token ends the round (the bonus when all agree).
+p+i, bit for bit (rows.py: a forward of a few rows is a step whose rows are computed as
+one-row steps; on a GPU its projections are padded to a fixed row count, which bounds k:
+`verify_rows`). d_{i+1} is accepted while it equals that token; the first disagreeing
+row's token ends the round (the bonus when all agree).
 Under sampling the Sampler's key chain advances once per decided token, exactly as in plain
 decoding, so a seeded stream is the plain stream token for token, and its distribution is the
 model's: for a draft that is a function of the context this is speculative rejection sampling in its
@@ -49,6 +49,7 @@ import mlx.core as mx
 from . import drafts
 from .errors import InvalidOptionError
 from .generation import stop_reason
+from .rows import STEP_MAX_ROWS, exact_rows
 from .sampling import Sampler, SamplingParams
 from .state import SequenceState
 
@@ -62,7 +63,7 @@ MODES = ("auto", "mtp", "ngram", "off")
 # k when draft_tokens is unset: lookup continues long copied spans; a chained MTP head's
 # later tokens agree less often (the 27B head's figures are for one token)
 DEFAULT_TOKENS = {"ngram": 4, "mtp": 2}
-MAX_TOKENS = 64
+MAX_TOKENS = STEP_MAX_ROWS - 1  # a verify is a step (rows.py)
 
 # the throttle (module docstring)
 WINDOW = 4
@@ -116,27 +117,37 @@ def parse_options(options: dict[str, Any]) -> DraftOptions:
     return DraftOptions(mode=mode, tokens=k)
 
 
-def rows_match_steps() -> bool:
-    """Whether a verify forward's rows are bit-identical to plain decode steps here: on the
-    CPU yes (tested); on a GPU no (H200, MLX 0.32.4, 27B dims bf16: rows of a 5-position
-    forward differ from 5 plain steps by up to 0.5 in the logits, argmax agreeing on 3 of 5;
-    benchmarks/results/h200/verify.json), so drafting there could change the output."""
-    return mx.default_device().type == mx.DeviceType.cpu
+def verify_rows(model: Model) -> int:
+    """The most rows a verify forward of `model` may have here with every row bit-identical
+    to the plain step at its position (rows.exact_rows); 1 (no drafting) on a GPU for a
+    family whose layers do not all step row-exactly there (CausalLM.rows_exact: Flash-Next's
+    experts, QSA and stream mixes are not padded)."""
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    if not on_cpu and not getattr(model.net, "rows_exact", False):
+        return 1
+    return exact_rows()
 
 
 def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:
     """What `model` runs: MTP for auto when it has a head, else nothing; mtp without a head is
     refused before any work, and so is drafting where verify rows would not match plain
-    steps (`rows_match_steps`; auto then decodes plainly). None: plain decoding."""
+    steps (`verify_rows`; auto then decodes plainly) or more draft tokens than a row-exact
+    verify takes here (an unset k is capped). None: plain decoding."""
     if options is None or options.mode == "off":
         return None
-    if not rows_match_steps():
+    limit = verify_rows(model) - 1
+    if limit < 1:
         if options.mode == "auto":
             return None
         raise InvalidOptionError(
-            f"draft={options.mode!r}: on this device a verify forward's rows are not "
-            "bit-identical to plain decode steps, so drafted output could differ from plain "
-            "decoding; drafting runs on the CPU only for now (use draft='off' here)"
+            f"draft={options.mode!r}: on this device a verify forward's rows of {model.name} "
+            "are not bit-identical to plain decode steps, so drafted output could differ from "
+            "plain decoding (use draft='off' here)"
+        )
+    if options.tokens is not None and options.tokens > limit:
+        raise InvalidOptionError(
+            f"draft_tokens={options.tokens}: on this device a verify of more than {limit + 1} "
+            f"rows is not bit-identical to plain decode steps; use at most {limit}"
         )
     has_mtp = bool(getattr(model.net, "has_mtp", False))
     mode = options.mode
@@ -149,7 +160,7 @@ def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:
             f"draft='mtp': {model.name} has no MTP head (no mtp.* weights); "
             "use draft='ngram' or 'off'"
         )
-    return DraftOptions(mode=mode, tokens=options.tokens or DEFAULT_TOKENS[mode])
+    return DraftOptions(mode=mode, tokens=options.tokens or min(DEFAULT_TOKENS[mode], limit))
 
 
 def applies(options: DraftOptions | None, params: SamplingParams) -> bool:
@@ -323,10 +334,16 @@ def _round(
     state.reserve(len(draft) + 1)
     feats = model.forward_features([last, *draft], state)
     logits = model.net.logits_from_features(feats)
-    mx.eval(logits)
+    # greedy: every row's token in one read-back (the argmax a plain step takes, row-wise)
+    picks = mx.argmax(logits.astype(mx.float32), axis=-1) if sampler.params.greedy else None
+    mx.eval(logits, picks)
+    picks = picks.tolist() if picks is not None else None
     decided: list[int] = []
     for i in range(len(draft) + 1):
-        token = int(sampler(logits[i], history + decided).item())
+        if picks is not None:
+            token = picks[i]
+        else:
+            token = int(sampler(logits[i], history + decided).item())
         decided.append(token)
         # a stop token ends the round unfed, so the state never runs past the answer's end
         # (a follow-up turn then reuses it whole, recurrent layers included)

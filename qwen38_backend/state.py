@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 from .errors import Qwen38Error
+from .rows import STEP_MAX_ROWS
 
 
 @runtime_checkable
@@ -159,11 +160,17 @@ class SequenceState:
         head = self.mtp.nbytes() if self.mtp is not None else 0
         return sum(layer.nbytes() for layer in self.layers) + head
 
+    def eager_layers(self, rows: int) -> bool:
+        """Whether a forward of `rows` positions hands each layer to the device as soon as it
+        is built (mx.async_eval), so the device runs a layer while the host builds the next
+        instead of idling until the whole graph is built: when a layer reads device results
+        back part-way through (`reads_back`), and for a speculative verify (a step of
+        several rows), which nothing else overlaps (plain steps overlap the next step)."""
+        return 1 < rows <= STEP_MAX_ROWS or self.reads_back()
+
     def reads_back(self) -> bool:
         """Whether some layer reads device results on the host part-way through a step (a
-        paged store fetching the spilled pages of its selection). The families then hand
-        each layer to the device as soon as it is built (mx.async_eval), so the device runs
-        the layers before that read while the host builds them, instead of idling until it."""
+        paged store fetching the spilled pages of its selection)."""
         for layer in self.layers:
             for store in (layer, getattr(layer, "kv", None)):
                 probe = getattr(store, "reads_back", None)

@@ -216,3 +216,75 @@ def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
             )
             assert bool(calls) == (choice == "auto"), (options, choice, len(calls))
         assert runs["auto"] == runs["off"], options
+
+
+# ----- speculative verify rows == plain steps (rows.py) ----------------------------------------
+@pytest.fixture(scope="module")
+def gpu_models(tmp_path_factory):
+    """Random qwen3_5 in bf16: the tiny test config, and 4 layers of the real 27B shapes
+    (smaller vocabulary), both with an MTP head."""
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    tiny = make_tiny_weights("qwen3_5", tmp_path_factory.mktemp("tiny"), dtype="bfloat16")
+    big = make_tiny_weights(
+        "qwen3_5",
+        tmp_path_factory.mktemp("27b"),
+        dims="27b",
+        num_layers=4,
+        vocab_size=32768,
+        dtype="bfloat16",
+    )
+    return {
+        "tiny": qwen38_backend.load(str(tiny), dtype="bfloat16"),
+        "27b": qwen38_backend.load(str(big), dtype="bfloat16"),
+    }
+
+
+STORES = {"contiguous": {}, "paged": {"kv_paged": "on", "kv_page_tokens": 16}}
+
+
+@pytest.mark.parametrize("store", list(STORES))
+@pytest.mark.parametrize("dims", ["tiny", "27b"])
+def test_verify_rows_equal_plain_steps_on_gpu(gpu_models, dims, store):
+    """Row i of a verify forward of 5 positions has the logits of the plain step at that
+    position, bit for bit (before rows.py the H200 differed by up to 0.5)."""
+    model = gpu_models[dims]
+    prefix, tail = [(5 * i + 3) % 200 + 2 for i in range(37)], [7, 8, 9, 10, 11]
+    one, many = model.new_state(**STORES[store]), model.new_state(**STORES[store])
+    model.prefill(prefix, one)
+    model.prefill(prefix, many)
+    steps = [np.array(model.forward([t], one)[-1].astype(mx.float32)) for t in tail]
+    feats = model.forward_features(tail, many)
+    rows = np.array(model.net.logits_from_features(feats).astype(mx.float32))
+    for i, step in enumerate(steps):
+        assert np.array_equal(rows[i], step), f"row {i}: max diff {np.abs(rows[i] - step).max()}"
+
+
+@pytest.mark.parametrize("dims", ["tiny", "27b"])
+def test_drafted_greedy_equals_plain_on_gpu(gpu_models, dims, monkeypatch):
+    """Greedy with drafts == without, token for token: MTP drafts, and n-gram drafts from the
+    plain stream with a third of their tokens corrupted (accepted and rejected rounds)."""
+    from qwen38_backend import drafts
+
+    model = gpu_models[dims]
+    prompt = [(11 * i + 5) % 300 + 2 for i in range(23)]
+
+    def run(**options):
+        stream = model.generate_tokens(prompt, max_tokens=40, stop_token_ids=[], **options)
+        return list(stream), stream.stats
+
+    plain, _ = run(draft="off")
+    mtp, stats = run(draft="mtp")
+    assert mtp == plain and stats.drafted > 0
+    rng = np.random.default_rng(0)
+
+    def draft(tokens, k):
+        done = len(tokens) - len(prompt)
+        out = list(plain[done : done + k])
+        return [t if rng.random() > 0.35 else (t + 1) % 300 for t in out], 3
+
+    monkeypatch.setattr(drafts, "ngram_match", lambda tokens, k, max_n=3: draft(tokens, k))
+    spec, stats = run(draft="ngram", draft_tokens=4)
+    assert spec == plain
+    assert 0 < stats.accepted < stats.drafted

@@ -16,7 +16,7 @@ import pytest
 from helpers import dense_fixture
 
 import qwen38_backend
-from qwen38_backend import drafts, speculative
+from qwen38_backend import drafts, rows, speculative
 from qwen38_backend.errors import InvalidOptionError
 from qwen38_backend.generation import GenerationStats
 from qwen38_backend.prefix_store import PrefixStore
@@ -91,16 +91,22 @@ def test_options_are_checked_and_resolved_against_the_model(dense, hybrid):
 
 
 def test_no_drafting_where_verify_rows_differ_from_plain_steps(hybrid, monkeypatch):
-    """On a GPU a verify forward's rows are not the plain steps' bits (measured on the H200):
-    auto decodes plainly there and an explicit draft mode is refused before any work."""
-    assert speculative.rows_match_steps()  # this CPU
-    monkeypatch.setattr(speculative, "rows_match_steps", lambda: False)
+    """Where a verify forward's rows would not be the plain steps' bits (a family that does
+    not step row-exactly on a GPU), auto decodes plainly and an explicit draft mode is
+    refused before any work; k is bounded by what a row-exact verify takes there."""
+    assert speculative.verify_rows(hybrid) == rows.STEP_MAX_ROWS  # this CPU
+    monkeypatch.setattr(speculative, "verify_rows", lambda model: 1)
     assert resolve(parse_options({}), hybrid) is None
     for mode in ("mtp", "ngram"):
         with pytest.raises(InvalidOptionError, match="not bit-identical"):
             resolve(parse_options({"draft": mode}), hybrid)
     with pytest.raises(InvalidOptionError, match="not bit-identical"):
         hybrid.session(cache=False).request("hi", draft="ngram")
+    # a GPU pads few-row products to 8 rows: 7 draft tokens at most, an unset k capped
+    monkeypatch.setattr(speculative, "verify_rows", lambda model: 3)
+    assert resolve(parse_options({"draft": "ngram"}), hybrid) == DraftOptions("ngram", 2)
+    with pytest.raises(InvalidOptionError, match="use at most 2"):
+        resolve(parse_options({"draft": "ngram", "draft_tokens": 3}), hybrid)
 
 
 def test_old_option_names_warn_and_map_to_the_new_ones():
@@ -192,8 +198,15 @@ def oracle(monkeypatch):
     return install
 
 
+@pytest.fixture(params=["1", "8"], ids=["unpadded", "padded"])
+def pad(request, monkeypatch):
+    """Few-row products as this CPU runs them, or padded to 8 rows as a GPU runs them."""
+    monkeypatch.setenv("QWEN38_PAD_ROWS", request.param)
+    return int(request.param)
+
+
 @pytest.mark.parametrize("which", ["dense", "hybrid", "flash"])
-def test_oracle_drafts_roll_back_exactly(request, oracle, which):
+def test_oracle_drafts_roll_back_exactly(request, oracle, which, pad):
     model = request.getfixturevalue(which)
     for seed in range(2):
         prompt = np.random.default_rng(seed).integers(3, 200, 9).tolist()
@@ -650,6 +663,30 @@ def test_mtp_history_survives_a_rewind_to_a_stored_boundary(request, monkeypatch
 
 
 # ----- the premise and cancel ----------------------------------------------------------------
+def test_few_row_products_are_padded(monkeypatch):
+    """rows.project pads a product of fewer than pad_rows() rows (a GPU's 8) and returns the
+    caller's rows, equal to the unpadded product (on the CPU rows do not depend on count)."""
+    import mlx.nn as nn
+
+    seen = []
+
+    class Counted(nn.Linear):
+        def __call__(self, x):
+            seen.append(x.shape[0])
+            return super().__call__(x)
+
+    linear = Counted(6, 5)
+    x = mx.random.normal((3, 6), key=mx.random.key(0))
+    assert rows.pad_rows() == 1  # the CPU pads nothing
+    want = rows.project(linear, x)
+    monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
+    got = rows.project(linear, x)
+    assert seen == [3, 8] and got.shape == (3, 5)
+    assert mx.array_equal(got, want).item()
+    assert rows.project(linear, mx.zeros((9, 6))).shape == (9, 5) and seen[-1] == 9
+    assert rows.exact_rows() == 8
+
+
 @pytest.mark.parametrize(
     ("which", "kv"),
     [
@@ -659,9 +696,10 @@ def test_mtp_history_survives_a_rewind_to_a_stored_boundary(request, monkeypatch
         ("flash", {}),
     ],
 )
-def test_verify_rows_equal_single_steps_on_cpu(request, which, kv):
+def test_verify_rows_equal_single_steps_on_cpu(request, which, kv, pad):
     """The premise: a verify forward of T tokens gives, row for row, the logits of T single
-    steps, bit for bit, on the CPU (the paged store and Gated DeltaNet layers included)."""
+    steps, bit for bit, on the CPU (the paged store and Gated DeltaNet layers included),
+    also with few-row products padded as on a GPU (rows.py)."""
     model = request.getfixturevalue(which)
     prefix, tail = list(range(3, 40)), [7, 8, 9, 10, 11]
     one = model.new_state(**kv)

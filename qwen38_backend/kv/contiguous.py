@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..rows import STEP_MAX_ROWS
 from .blocked import BLOCK_TOKENS, attend_past, spans
-from .one_token import attend_one_token
+from .one_token import attend_one_token, attend_rows
 
 
 class ContiguousKV:
@@ -72,9 +73,14 @@ class ContiguousKV:
             for a, b in spans(past, self.block_tokens):
                 yield self.keys[..., a:b, :], self.values[..., a:b, :]
 
-        if q.shape[2] == 1:
+        if q.shape[2] <= STEP_MAX_ROWS:  # a step: each row as a one-token step (rows.py)
             keys, values = dense()
-            return attend_one_token(q, keys, values, scale)
+
+            def one(q_row: mx.array, t: int) -> mx.array:
+                n = past + t + 1
+                return attend_one_token(q_row, keys[..., :n, :], values[..., :n, :], scale)
+
+            return attend_rows(q, one, past)
         return attend_past(q, past, blocks, k, v, scale, dense, self.block_tokens)
 
     def nbytes(self) -> int:

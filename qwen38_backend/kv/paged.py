@@ -39,8 +39,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import AdmissionError, InvalidOptionError, SpillError
+from ..rows import STEP_MAX_ROWS
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
-from .one_token import attend_one_token
+from .one_token import attend_one_token, attend_rows
 from .pool import PagePool, PoolFullError
 from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector
 from .spill import SpillFile
@@ -440,16 +441,34 @@ class PagedKV:
                 return self._attend_selected(q, scale, n_pages, n_sel)
             self.stats["pages_selected"] += n_pages * k.shape[1]
             self.stats["kv_read_bytes"] += self.length * (k[0, :, 0].nbytes + v[0, :, 0].nbytes)
-            if self.table.n_spilled:  # stream the past through the walk; no refetch storm
-                blocks = self._past_blocks(self.length - 1, self._block())
-                return blocked_attention(q, blocks, k, v, scale)
-            keys, values = self._dense_kv()
-            return attend_one_token(q, keys, values, scale)
+            return self._attend_dense_step(q, k, v, scale, self.length)
         past = self.length - T
+        if T <= STEP_MAX_ROWS and self.dense_from(past + 1):
+            # a step (a speculative verify): each row as the dense decode step at its position
+            return attend_rows(
+                q,
+                lambda q_row, t: self._attend_dense_step(
+                    q_row, k[:, :, t : t + 1], v[:, :, t : t + 1], scale, past + t + 1
+                ),
+                past,
+            )
         block = self._block()
         return attend_past(
             q, past, lambda: self._past_blocks(past, block), k, v, scale, self._dense_kv, block
         )
+
+    def _attend_dense_step(
+        self, q: mx.array, k: mx.array, v: mx.array, scale: float, length: int
+    ) -> mx.array:
+        """A decode step reading every page: the query q [1, Hq, 1, D] at position length - 1
+        (k, v its own row, already stored) over rows [0, length)."""
+        if self.table.n_spilled:  # stream the past through the walk; no refetch storm
+            blocks = self._past_blocks(length - 1, self._block())
+            return blocked_attention(q, blocks, k, v, scale)
+        keys, values = self._dense_kv()
+        if length < self.length:
+            keys, values = keys[..., :length, :], values[..., :length, :]
+        return attend_one_token(q, keys, values, scale)
 
     def reads_back(self) -> bool:
         """Whether a decode step reads device results on the host mid-step: a selection with
@@ -464,9 +483,15 @@ class PagedKV:
         every page (Quest selects all of them, or `auto` is below its threshold): the span
         where a verify of several tokens, which attends densely, equals single steps
         (speculative.py's gate)."""
+        return self.dense_from(self.length + 1, length)
+
+    def dense_from(self, start: int, end: int | None = None) -> bool:
+        """Whether decode steps at every context length in [start, end] (end: the stored
+        length) read every page."""
         if self.always_select:
             return False
-        sizes = (self.selection_at(n) for n in range(self.length + 1, length + 1))
+        end = self.length if end is None else end
+        sizes = (self.selection_at(n) for n in range(start, end + 1))
         return all(n_sel >= n_pages for n_pages, n_sel in sizes)
 
     def select(self, q: mx.array, n_sel: int) -> mx.array:

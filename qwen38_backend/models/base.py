@@ -7,6 +7,7 @@ import mlx.nn as nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..rows import project
 from ..state import SequenceState
 from .parallel import shard_modules
 
@@ -14,6 +15,10 @@ from .parallel import shard_modules
 class CausalLM(nn.Module):
     """Base for a family's top-level module; subclasses build `self.model` (with
     `embed_tokens`) and implement `hidden(ids, state)` and `make_state(kv_factory)`."""
+
+    # every layer steps row-exactly on any device (rows.py), so speculative verifies may
+    # run on a GPU; a family with layers that do not says False
+    rows_exact = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -23,8 +28,8 @@ class CausalLM(nn.Module):
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+            return project(self.model.embed_tokens.as_linear, h)
+        return project(self.lm_head, h)
 
     def __call__(self, ids: mx.array, state: SequenceState, last_only: bool = False) -> mx.array:
         h = self.hidden(ids, state)

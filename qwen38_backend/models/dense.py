@@ -59,7 +59,7 @@ class DenseModel(CausalLM):
         """Final-normed hidden states [T, hidden]."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
-        eager = state.reads_back()  # see SequenceState.reads_back
+        eager = state.eager_layers(ids.shape[0])
         for layer, kv in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, kv, offset)
             if eager:

@@ -2,8 +2,10 @@
 state and the `nn.Module` with HF parameter names. The recurrence itself (recurrent, chunked
 and few-token forms) is gated_delta.py.
 
-Prefill (more than `recurrent_max_tokens` tokens) runs the chunked form; decode and MTP verify
-the few-token core, or on CUDA the fused kernel of kernels/gdn_decode.py when its probe passes.
+Prefill (more than `recurrent_max_tokens` tokens) runs the chunked form; a step of a few rows
+(decode, a speculative verify) runs the one-token core row after row (rows.py: each row is
+what a one-row step computes), on CUDA the fused kernel of kernels/gdn_decode.py when its
+probe passes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
+from ..rows import STEP_MAX_ROWS, project
 from ..state import Replayable, RewindError
 from .gated_delta import CoreSpec, chunked_gated_delta, decode_core, gdn_core, prepare_qk
 from .gated_delta import recurrent_gated_delta as recurrent_gated_delta
@@ -40,6 +43,29 @@ class GatedDeltaNetState(Replayable):
         self.conv: mx.array | None = None
         self.recurrent: mx.array | None = None
         self.length = 0
+        self._rows: tuple[list[mx.array], list[mx.array]] | None = None
+
+    def advance(self, convs: list[mx.array], recurrents: list[mx.array]) -> None:
+        """The states after each row of a step: the last becomes the state; while recording
+        (a speculative verify) all are kept, so a rollback to any row costs nothing."""
+        self.conv, self.recurrent = convs[-1], recurrents[-1]
+        self.length += len(convs)
+        if self.recording:
+            self._rows = (convs, recurrents)
+
+    def replay(self, n: int) -> None:
+        """After a restore to the recorded step's start: the state after its first n rows."""
+        if self._rows is None:
+            super().replay(n)
+            return
+        convs, recurrents = self._rows
+        self.conv, self.recurrent = convs[n - 1], recurrents[n - 1]
+        self.length += n
+
+    def set_record(self, on: bool) -> None:
+        super().set_record(on)
+        if not on:
+            self._rows = None
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.conv, self.recurrent) if a is not None)
@@ -98,7 +124,7 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer with HF parameter names (`linear_attn.*`)."""
 
     # At most this many tokens per call take the token-by-token path (decode, MTP verify).
-    recurrent_max_tokens = 16
+    recurrent_max_tokens = STEP_MAX_ROWS
 
     def __init__(
         self,
@@ -154,9 +180,9 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
         """x [T, hidden] (already normed) -> [T, hidden]; advances `state`."""
         T = x.shape[0]
-        state.keep(self, x)  # a speculative verify's rows, for a rollback's replay
         if T <= self.recurrent_max_tokens:
             return self._recurrent_call(x, state)
+        state.keep(self, x)  # a speculative verify's rows, for a rollback's replay
         Hk, Hv, Dk, Dv = self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim
         qkv, z, b, a = self._project(x)
         qkv = self._conv(qkv, state)
@@ -181,12 +207,11 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, self.value_dim))
 
     def _recurrent_call(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
-        """Few tokens (decode, MTP verify): one fused step per token via
-        mx.fast.gated_delta_update."""
+        """Few tokens (decode, MTP verify): the one-token core row after row."""
         conv, recurrent = self.initial_state(state, x.dtype)
         self.prepare_decode(x.dtype)
-        out, state.conv, state.recurrent = self.step(x, conv, recurrent)
-        state.length += x.shape[0]
+        out, convs, recurrents = self.step(x, conv, recurrent)
+        state.advance(convs, recurrents)
         return out
 
     def initial_state(self, state: GatedDeltaNetState, dtype: mx.Dtype):
@@ -207,24 +232,31 @@ class GatedDeltaNet(nn.Module):
         self._kernel_checked = str(dtype)
 
     def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
-        """Pure form of the few-token path: (output [T, hidden], new conv, new recurrent)."""
+        """Pure form of the few-token path: (output [T, hidden], the conv histories and the
+        recurrent states after each row). Each row runs the one-token core (the CUDA kernel
+        where it passed its probe), so row i is what a one-row step at its position computes."""
         spec = self._core_spec()
-        if x.shape[0] != 1:
-            core = partial(gdn_core, spec=spec)
-        elif getattr(self, "_kernel_for", "") == str(x.dtype):
+        if getattr(self, "_kernel_for", "") == str(x.dtype):
             core = partial(_kernel_module().gdn_decode_step, spec=spec)
         else:
             core = decode_core(spec)
-        o, conv, recurrent = core(
-            *self._project(x),
-            conv,
+        weights = (
             self.conv1d.weight[:, :, 0].astype(x.dtype),
             self.A_log,
             self.dt_bias,
-            recurrent,
-            self.norm.weight,
         )
-        return self.out_proj(o), conv, recurrent
+        qkv, z, b, a = self._project(x)
+        outs, convs, recurrents = [], [], []
+        for t in range(x.shape[0]):
+            row = slice(t, t + 1)
+            o, conv, recurrent = core(
+                qkv[row], z[row], b[row], a[row], conv, *weights, recurrent, self.norm.weight
+            )
+            outs.append(o)
+            convs.append(conv)
+            recurrents.append(recurrent)
+        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        return project(self.out_proj, o), convs, recurrents
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
@@ -255,8 +287,8 @@ class GatedDeltaNet(nn.Module):
         """qkv, z, b, a: one fused matmul once `fuse()` ran, else four."""
         if "in_proj_all" in self:
             sizes = [self.conv_dim, self.value_dim, self.n_v_heads, self.n_v_heads]
-            return split_outputs(self.in_proj_all(x), sizes)
-        return [self[name](x) for name in self._PROJECTIONS]
+            return split_outputs(project(self.in_proj_all, x), sizes)
+        return [project(self[name], x) for name in self._PROJECTIONS]
 
     def fuse(self) -> None:
         """The four input projections as one matmul (after loading)."""
@@ -279,14 +311,14 @@ class GatedDeltaNet(nn.Module):
 
 
 def decode_step(block: nn.Module, h: mx.array, state: GatedDeltaNetState) -> mx.array:
-    """One token through a block whose `_linear_step(h, conv, recurrent)` runs its Gated
-    DeltaNet mixer `block.linear_attn` (and whatever surrounds it) as one compiled graph;
-    advances `state`."""
+    """A step of a few rows through a block whose `_linear_step(h, conv, recurrent)` runs its
+    Gated DeltaNet mixer `block.linear_attn` (and whatever surrounds it) as one compiled
+    graph, returning (h, conv histories, recurrent states per row); advances `state`."""
     mixer = block.linear_attn
     conv, recurrent = mixer.initial_state(state, h.dtype)
     mixer.prepare_decode(h.dtype)  # outside the trace: the kernel probe runs ops
-    h, state.conv, state.recurrent = compiled(block, "_linear_step")(h, conv, recurrent)
-    state.length += 1
+    h, convs, recurrents = compiled(block, "_linear_step")(h, conv, recurrent)
+    state.advance(convs, recurrents)
     return h
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..rows import STEP_MAX_ROWS, pad_rows, project
 from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
 
 
@@ -205,9 +206,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         H, D = self.n_heads, self.head_dim
         if "qkv_proj" in self:
-            q, k, v = split_outputs(self.qkv_proj(x), self._qkv_sizes)
+            q, k, v = split_outputs(project(self.qkv_proj, x), self._qkv_sizes)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (project(self[name], x) for name in ("q_proj", "k_proj", "v_proj"))
         gate = None
         if self.output_gate:
             q = q.reshape(T, H, 2 * D)
@@ -250,7 +251,7 @@ class Attention(nn.Module):
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[2], -1)
         if gate is not None:
             out = out * mx.sigmoid(gate)
-        return self.o_proj(out)
+        return project(self.o_proj, out)
 
     def __call__(self, x: mx.array, kv, offset: int | mx.array) -> mx.array:
         q, k, v, gate = self.project_qkv(x, offset)
@@ -258,7 +259,8 @@ class Attention(nn.Module):
 
 
 def compiled(module: nn.Module, method: str) -> Callable:
-    """`module.method` under mx.compile, traced once per module.
+    """`module.method` under mx.compile, traced once per module (and row padding: a trace
+    holds the padding of the products in it, rows.pad_rows()).
 
     The module's parameters are implicit inputs (read at every call, so replaced weights are
     seen). Meant for the fixed-shape pieces of a decode step: one graph replay with fused
@@ -266,23 +268,25 @@ def compiled(module: nn.Module, method: str) -> Callable:
     what separates the kernels.
     """
     cache = module.__dict__.setdefault("_compiled_methods", {})
-    if method not in cache:
-        cache[method] = mx.compile(getattr(module, method), inputs=module)
-    return cache[method]
+    key = (method, pad_rows())
+    if key not in cache:
+        cache[key] = mx.compile(getattr(module, method), inputs=module)
+    return cache[key]
 
 
 class PreNormBlock(nn.Module):
     """A block h + attn(norm(h)), then h + mlp(norm(h)), with `self_attn` an Attention.
 
     Subclasses provide input_layernorm, self_attn, post_attention_layernorm and mlp.
-    `decode_attention` is the single-token step: everything but the KV store's attend runs
-    as two compiled graphs (before and after it)."""
+    `decode_attention` is the step of a few rows (a decode step, a speculative verify: up to
+    rows.STEP_MAX_ROWS): everything but the KV store's attend runs as two compiled graphs
+    (before and after it), the same graphs for one row and for several."""
 
     # False: decode builds the step op by op like prefill (benchmarks compare the two)
     compile_decode = True
 
     def attention_block(self, h: mx.array, kv, offset: int) -> mx.array:
-        if h.shape[0] == 1 and self.compile_decode:
+        if h.shape[0] <= STEP_MAX_ROWS and self.compile_decode:
             return self.decode_attention(h, kv, offset)
         h = h + self.self_attn(self.input_layernorm(h), kv, offset)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -338,6 +342,7 @@ class SwiGLU(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
-            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-            return self.down_proj(swiglu(gate, up))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+            gate, up = mx.split(project(self.gate_up_proj, x), 2, axis=-1)
+        else:
+            gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        return project(self.down_proj, swiglu(gate, up))

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from ..config import LINEAR, Qwen35Config
 from ..kv.contiguous import ContiguousKV
+from ..rows import STEP_MAX_ROWS
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
@@ -70,19 +71,19 @@ class Qwen35Block(PreNormBlock):
     def __call__(self, h: mx.array, layer_state, offset: int) -> mx.array:
         if not self.is_linear:
             return self.attention_block(h, layer_state, offset)
-        if h.shape[0] == 1 and self.compile_decode:
+        if h.shape[0] <= STEP_MAX_ROWS and self.compile_decode:
             return self.decode_linear(h, layer_state)
         h = h + self.linear_attn(self.input_layernorm(h), layer_state)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode_linear(self, h: mx.array, state: GatedDeltaNetState) -> mx.array:
-        """One token through a Gated DeltaNet block: the whole block is one compiled graph."""
+        """A step of a few rows through a Gated DeltaNet block: one compiled graph."""
         return decode_step(self, h, state)
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
-        out, conv, recurrent = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)
+        out, convs, recurrents = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), conv, recurrent
+        return h + self.mlp(self.post_attention_layernorm(h)), convs, recurrents
 
 
 class Qwen35Body(nn.Module):
@@ -111,7 +112,7 @@ class Qwen35Model(CausalLM):
         """Final-normed hidden states [T, hidden] (also the MTP head's input)."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
-        eager = state.reads_back()  # see SequenceState.reads_back
+        eager = state.eager_layers(ids.shape[0])
         for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, layer_state, offset)
             if eager:

@@ -200,8 +200,8 @@ class Qwen4ExpBlock(nn.Module):
         new: list[mx.array] = []
 
         def mixer(x: mx.array) -> mx.array:
-            out, c, r = self.linear_attn.step(x, conv, recurrent)
-            new.extend((c, r))
+            out, convs, recurrents = self.linear_attn.step(x, conv, recurrent)
+            new.extend((convs, recurrents))
             return out
 
         R = self.attn_hyper_connection(R, mixer)
@@ -228,6 +228,10 @@ class Qwen4ExpBody(nn.Module):
 class Qwen4ExpModel(CausalLM):
     """Causal LM over token ids [T] of one sequence; per-layer state lives in `state`."""
 
+    # experts (gather_mm), QSA's selection and the stream mixes take a few rows unpadded:
+    # on a GPU a verify row could differ from a plain step (rows.py), so no drafting there
+    rows_exact = False
+
     def __init__(self, cfg: Qwen4ExpConfig):
         super().__init__(cfg)
         self.model = Qwen4ExpBody(cfg)
@@ -241,7 +245,7 @@ class Qwen4ExpModel(CausalLM):
         """The residual streams after the last layer, [T, hc * hidden] (the MTP head's input)."""
         offset = state.offset
         R = mx.tile(self.model.embed_tokens(ids), (1, self.config.hc_count))
-        eager = state.reads_back()  # see SequenceState.reads_back
+        eager = state.eager_layers(ids.shape[0])
         for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
             R = layer(R, ids, layer_state, offset)
             if eager:
