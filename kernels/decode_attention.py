@@ -112,8 +112,12 @@ _PARTIAL = """
     __shared__ float m_s[G], l_s[G], a_s[G];       // running max, sum, this tile's rescale
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int split = blockIdx.x, kvh = blockIdx.y, n_splits = gridDim.x;
-    const int L = k_shape[2];
+    // query row qt (of NQ) is the position L - NQ + qt: it reads the first L_row keys in
+    // its own n_splits splits, as a one-row call of that length does
+    const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
+    const int n_splits = splits[qt];
+    if (split >= n_splits) return;                 // the whole block: no barrier is skipped
+    const int L = k_shape[2] - (NQ - 1 - qt);
     const int chunk = (L + n_splits - 1) / n_splits;
     const int start = min(split * chunk, L);
     const int end = min(start + chunk, L);
@@ -163,8 +167,8 @@ _PARTIAL = """
         for (int j = 0; j < PER; ++j)
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-                qr[h][j * VEC + e] =
-                    q[(kvh * G + h) * q_strides[0] + ((c0 + NVL * j) * VEC + e) * q_strides[1]];
+                qr[h][j * VEC + e] = q[(qt * (long long)gridDim.y * G + kvh * G + h) *
+                    q_strides[0] + ((c0 + NVL * j) * VEC + e) * q_strides[1]];
                 acc[h][j * VEC + e] = 0.0f;
             }
     if (tid < G) { m_s[tid] = neg_inf(); l_s[tid] = 0.0f; }
@@ -293,7 +297,8 @@ _PARTIAL = """
             for (int e = 0; e < VEC; ++e)
                 red[(rg * G + h) * D + (c0 + NVL * j) * VEC + e] = acc[h][j * VEC + e];
     __syncthreads();
-    const long long base = ((long long)kvh * n_splits + split) * G;
+    const int max_splits = gridDim.x;
+    const long long base = (((long long)qt * gridDim.y + kvh) * max_splits + split) * G;
     for (int x = tid; x < G * D; x += THREADS) {
         float sum = 0.0f;
         for (int r = 0; r < RPB; ++r) sum += red[r * G * D + x];
@@ -305,12 +310,14 @@ _PARTIAL = """
     }
 """
 
-# Template constants: O (output dtype), D, G. One block per query head, a thread per dim.
+# Template constants: O (output dtype), D, G. One block per (query row, query head), a thread
+# per dim; the row's own split count.
 _COMBINE = """
     using namespace qwen38_dattn;
-    const int hq = blockIdx.x, kvh = hq / G, g = hq % G;
-    const int S = m_part_shape[1];
-    const long long row = (long long)kvh * S * G + g;  // (kvh, split 0, g)
+    const int HQ = m_part_shape[1] * G;
+    const int qt = blockIdx.x / HQ, hq = blockIdx.x % HQ, kvh = hq / G, g = hq % G;
+    const int S = splits[qt];
+    const long long row = (((long long)qt * m_part_shape[1] + kvh) * m_part_shape[2]) * G + g;
     float m_max = neg_inf();
     for (int s = 0; s < S; ++s) m_max = fmaxf(m_max, m_part[row + (long long)s * G]);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -321,7 +328,7 @@ _COMBINE = """
             den += w * l_part[at];
             num += w * o_part[at * D + d];
         }
-        out[hq * D + d] = O(num / den);
+        out[((long long)qt * HQ + hq) * D + d] = O(num / den);
     }
 """
 
@@ -352,7 +359,7 @@ def _smem_bytes(dtype: mx.Dtype, head_dim: int, group: int) -> int:
 def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
     return mx.fast.cuda_kernel(
         name="qwen38_decode_attention_partial",
-        input_names=["q", "k", "v"],
+        input_names=["q", "k", "v", "splits"],
         output_names=["o_part", "m_part", "l_part"],
         source=_fill(_PARTIAL, THREADS=THREADS, TILE=TILE, STAGES=STAGES),
         header=_HEADER,
@@ -365,7 +372,7 @@ def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
 def _combine_kernel():
     return mx.fast.cuda_kernel(
         name="qwen38_decode_attention_combine",
-        input_names=["o_part", "m_part", "l_part"],
+        input_names=["o_part", "m_part", "l_part", "splits"],
         output_names=["out"],
         source=_COMBINE,
         header=_HEADER,
@@ -381,10 +388,10 @@ def n_splits(length: int, kv_heads: int) -> int:
 
 def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
     """ValueError naming what the kernel cannot take (before any work)."""
-    if q.ndim != 4 or q.shape[0] != 1 or q.shape[2] != 1:
-        raise ValueError(f"decode attention: q must be [1, Hq, 1, D], got {q.shape}")
     if k.ndim != 4 or k.shape[0] != 1:
         raise ValueError(f"decode attention: k must be [1, Hkv, L, D], got {k.shape}")
+    if q.ndim != 4 or q.shape[0] != 1 or not 1 <= q.shape[2] <= max(k.shape[2], 1):
+        raise ValueError(f"decode attention: q must be [1, Hq, T, D] (T <= L), got {q.shape}")
     if v.shape != k.shape:
         raise ValueError(f"decode attention: v {v.shape} must have k's shape {k.shape}")
     _, hq, _, d = q.shape
@@ -411,38 +418,49 @@ def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
 def decode_attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, splits: int | None = None
 ) -> mx.array:
-    """softmax(q k^T * scale) v for one query token, as mx.fast.scaled_dot_product_attention.
+    """softmax(q k^T * scale) v for the newest T positions, as mx.fast.scaled_dot_product_
+    attention with a causal mask: row t of q is the position L - T + t and reads the first
+    L - T + 1 + t keys, in the splits a one-row call of that length uses (so each row has
+    the bits of that call: a decode step's, whatever T).
 
-    q: [1, Hq, 1, D]; k, v: [1, Hkv, L, D] (strided views are read in place); Hq a multiple
-    of Hkv (GQA). Returns [1, Hq, 1, D] in q's dtype. splits: blocks per KV head (default
-    `n_splits`; benchmarks sweep it)."""
+    q: [1, Hq, T, D]; k, v: [1, Hkv, L, D] (strided views are read in place); Hq a multiple
+    of Hkv (GQA). Returns [1, Hq, T, D] in q's dtype. splits: blocks per KV head for one row
+    (default `n_splits`; benchmarks sweep it)."""
     check_shapes(q, k, v)
-    _, hq, _, d = q.shape
+    _, hq, rows, d = q.shape
     _, hkv, length, _ = k.shape
     group = hq // hkv
     if splits is None:
-        splits = n_splits(length, hkv)
-    elif not 1 <= splits <= length:
-        raise ValueError(f"decode attention: splits={splits} must be in [1, L={length}]")
-    # fp32 scaled query as a fresh array (row-contiguous, its own buffer)
-    qf = (q.astype(mx.float32) * scale).reshape(hq, d)
+        counts = [n_splits(length - rows + 1 + t, hkv) for t in range(rows)]
+    elif rows == 1 and 1 <= splits <= length:
+        counts = [splits]
+    else:
+        raise ValueError(f"decode attention: splits={splits} must be in [1, L={length}], one row")
+    most = max(counts)
+    per_row = mx.array(counts, dtype=mx.int32)
+    # fp32 scaled query rows [T * Hq, D] as a fresh array (row-contiguous, its own buffer)
+    qf = (q.astype(mx.float32) * scale).transpose(0, 2, 1, 3).reshape(rows * hq, d)
     o_part, m_part, l_part = _partial_kernel(k.dtype, d, group)(
-        inputs=[qf, k, v],
+        inputs=[qf, k, v, per_row],
         template=[("T", k.dtype), ("D", d), ("G", group)],
-        grid=(splits * THREADS, hkv, 1),
+        grid=(most * THREADS, hkv, rows),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(hkv, splits, group, d), (hkv, splits, group), (hkv, splits, group)],
+        output_shapes=[
+            (rows, hkv, most, group, d),
+            (rows, hkv, most, group),
+            (rows, hkv, most, group),
+        ],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     (out,) = _combine_kernel()(
-        inputs=[o_part, m_part, l_part],
+        inputs=[o_part, m_part, l_part, per_row],
         template=[("O", q.dtype), ("D", d), ("G", group)],
-        grid=(hq * d, 1, 1),
+        grid=(rows * hq * d, 1, 1),
         threadgroup=(d, 1, 1),
-        output_shapes=[(hq, d)],
+        output_shapes=[(rows * hq, d)],
         output_dtypes=[q.dtype],
     )
-    return out.reshape(1, hq, 1, d)
+    return out.reshape(1, rows, hq, d).transpose(0, 2, 1, 3)
 
 
 def enabled() -> str:
@@ -512,6 +530,20 @@ def probe_cases(
     return cases
 
 
+def rows_are_steps(q: mx.array, k: mx.array, v: mx.array, scale: float, rows: int = 3) -> bool:
+    """Whether `rows` query rows in one call give, bit for bit, the one-row calls at their
+    positions (what a speculative verify needs; the probe checks it)."""
+    qs = mx.concatenate([q] * rows, axis=2) * mx.arange(1, rows + 1, dtype=q.dtype)[:, None]
+    many = decode_attention(qs, k, v, scale)
+    length = k.shape[2]
+    for t in range(rows):
+        n = length - rows + 1 + t
+        one = decode_attention(qs[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], scale)
+        if not mx.array_equal(many[:, :, t : t + 1], one).item():
+            return False
+    return True
+
+
 @functools.cache
 def available(q_dtype: mx.Dtype, kv_dtype: mx.Dtype, head_dim: int, group: int) -> bool:
     """True when the kernel runs here and agrees with mx.fast.scaled_dot_product_attention
@@ -525,6 +557,8 @@ def available(q_dtype: mx.Dtype, kv_dtype: mx.Dtype, head_dim: int, group: int) 
             got = decode_attention(q, k, v, scale)
             want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
             worst = max(worst, mismatch(got, want))
+        if not rows_are_steps(*probe_cases(q_dtype, kv_dtype, head_dim, group)[2]):
+            worst = math.inf
     except Exception as e:  # noqa: BLE001 - any failure means: use the MLX op
         warnings.warn(
             f"decode attention kernel unavailable ({e}); using mx.fast."

@@ -1,4 +1,5 @@
-"""One CUDA kernel for a Gated DeltaNet decode step (one token, after the input projections).
+"""One CUDA kernel for a Gated DeltaNet decode step (after the input projections): one token,
+or the few rows of a speculative verify one after another in the same launch.
 
 Why: on the CUDA backend `mx.fast.gated_delta_update` has no kernel and decomposes into
 dozens of small ops, and the host encodes every op of every layer each token (measured on the
@@ -36,9 +37,16 @@ _SOURCE = """
     const int hk = h / (HV / HK);
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     constexpr int WARPS = {threads} / 32;
+    const int NT = qkv_shape[0];  // the step's rows, one token after another
 
     __shared__ float q_s[DK], k_s[DK], v_s[DV], o_s[DV], red[2 * WARPS], gates[2];
 
+    // row j of the conv input [history (KW - 1 rows); the step's qkv rows]
+    auto conv_in = [&](int j, int c) -> T {{
+        return j < KW - 1 ? hist[j * CONV_DIM + c] : qkv[(j - (KW - 1)) * CONV_DIM + c];
+    }};
+
+    for (int t = 0; t < NT; ++t) {{
     // causal conv over [history; x] + SiLU for this head's q, k (its key head) and v channels
     for (int i = tid; i < 2 * DK + DV; i += {threads}) {{
         int c;
@@ -47,7 +55,7 @@ _SOURCE = """
         else c = 2 * KEY_DIM + h * DV + (i - 2 * DK);
         T acc = T(0.0f);
         for (int j = 0; j < KW; ++j) {{
-            T xj = (j < KW - 1) ? hist[j * CONV_DIM + c] : qkv[c];
+            T xj = conv_in(t + j, c);
             acc = T(static_cast<float>(acc) + static_cast<float>(T(
                 static_cast<float>(xj) * static_cast<float>(conv_w[c * KW + j]))));
         }}
@@ -58,16 +66,16 @@ _SOURCE = """
         if (i < DK) q_s[i] = y;
         else if (i < 2 * DK) k_s[i - DK] = y;
         else v_s[i - 2 * DK] = y;
-        // new history: drop the oldest row; q/k channels are written by the group's first head
-        if (i >= 2 * DK || h % (HV / HK) == 0) {{
-            for (int j = 0; j < KW - 2; ++j)
-                hist_out[j * CONV_DIM + c] = hist[(j + 1) * CONV_DIM + c];
-            hist_out[(KW - 2) * CONV_DIM + c] = qkv[c];
+        // history after the last row: the newest KW - 1 conv inputs; q/k channels are
+        // written by the group's first head
+        if (t == NT - 1 && (i >= 2 * DK || h % (HV / HK) == 0)) {{
+            for (int j = 0; j < KW - 1; ++j)
+                hist_out[j * CONV_DIM + c] = conv_in(NT + j, c);
         }}
     }}
     if (tid == 0) {{
-        float bb = static_cast<float>(b[h]);
-        float aa = static_cast<float>(a_in[h]) + static_cast<float>(dt_bias[h]);
+        float bb = static_cast<float>(b[t * HV + h]);
+        float aa = static_cast<float>(a_in[t * HV + h]) + static_cast<float>(dt_bias[h]);
         float sp = aa > 20.0f ? aa : log1pf(expf(aa));
         gates[0] = 1.0f / (1.0f + expf(-bb));                                  // beta
         gates[1] = expf(-expf(static_cast<float>(A_log[h])) * sp);            // exp(g)
@@ -94,10 +102,12 @@ _SOURCE = """
         qr[e] = q_s[lane + 32 * e] * q_scale;
         kr[e] = k_s[lane + 32 * e] * k_scale;
     }}
-    // delta rule, one state row (a value dim) per warp at a time
+    // delta rule, one state row (a value dim) per warp at a time; the state after row t is
+    // S_out[t] (the row before reads S_out[t - 1], written by this same thread)
+    const size_t state = (size_t)HV * DV * DK;
     for (int r = warp; r < DV; r += WARPS) {{
-        const float* row = S + ((size_t)h * DV + r) * DK;
-        float* row_out = S_out + ((size_t)h * DV + r) * DK;
+        const float* row = (t == 0 ? S : S_out + (t - 1) * state) + ((size_t)h * DV + r) * DK;
+        float* row_out = S_out + t * state + ((size_t)h * DV + r) * DK;
         float s[PER_LANE];
         float mem = 0.0f;
         for (int e = 0; e < PER_LANE; ++e) {{
@@ -129,9 +139,11 @@ _SOURCE = """
     for (int i = tid; i < DV; i += {threads}) {{
         float xh = static_cast<float>(T(o_s[i] * inv));
         float y = static_cast<float>(T(static_cast<float>(norm_w[i]) * xh));
-        float zf = static_cast<float>(z[h * DV + i]);
+        float zf = static_cast<float>(z[t * HV * DV + h * DV + i]);
         float gate = {gate};
-        out[h * DV + i] = T(y * gate);
+        out[t * HV * DV + h * DV + i] = T(y * gate);
+    }}
+    __syncthreads();  // the next row reuses the shared buffers
     }}
 """
 
@@ -159,6 +171,37 @@ def _kernel(spec: tuple):
     )
 
 
+def gdn_decode_rows(
+    qkv: mx.array,
+    z: mx.array,
+    b: mx.array,
+    a: mx.array,
+    hist: mx.array,
+    conv_w: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    S: mx.array,
+    norm_w: mx.array,
+    spec: CoreSpec,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The rows of a step, one token after another, in one launch: qkv [T, C], z [T, Hv*Dv],
+    b/a [T, Hv], hist [K-1, C], conv_w [C, K], S [Hv, Dv, Dk] fp32. Returns (out [T, Hv*Dv],
+    the history after the last row, the state after each row [T, Hv, Dv, Dk]). Each row runs
+    the same code whatever T is, so a row's bits do not depend on the rows with it."""
+    hk, hv, dk, dv, eps, activation = spec
+    kw = conv_w.shape[1]
+    dtype = qkv.dtype
+    rows = qkv.shape[0]
+    return _kernel((hk, hv, dk, dv, kw, eps, activation))(
+        inputs=[qkv, hist, conv_w, z, b, a, A_log, dt_bias, S, norm_w],
+        template=[("T", dtype)],
+        grid=(hv * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, hv * dv), hist.shape, (rows, *S.shape)],
+        output_dtypes=[dtype, dtype, mx.float32],
+    )
+
+
 def gdn_decode_step(
     qkv: mx.array,
     z: mx.array,
@@ -172,21 +215,12 @@ def gdn_decode_step(
     norm_w: mx.array,
     spec: CoreSpec,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Same arguments and results as `gated_delta.gdn_core` for one token:
-    qkv [1, C], z [1, Hv*Dv], b/a [1, Hv], hist [K-1, C], conv_w [C, K], S [Hv, Dv, Dk] fp32.
-    Returns (out [1, Hv*Dv], new hist, new S)."""
-    hk, hv, dk, dv, eps, activation = spec
-    kw = conv_w.shape[1]
-    dtype = qkv.dtype
-    out, hist_out, S_out = _kernel((hk, hv, dk, dv, kw, eps, activation))(
-        inputs=[qkv, hist, conv_w, z, b, a, A_log, dt_bias, S, norm_w],
-        template=[("T", dtype)],
-        grid=(hv * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(1, hv * dv), hist.shape, S.shape],
-        output_dtypes=[dtype, dtype, mx.float32],
+    """Same arguments and results as `gated_delta.gdn_core` for T tokens (the state after
+    the last): `gdn_decode_rows` without the per-row states."""
+    out, hist_out, states = gdn_decode_rows(
+        qkv, z, b, a, hist, conv_w, A_log, dt_bias, S, norm_w, spec
     )
-    return out, hist_out, S_out
+    return out, hist_out, states[-1:].reshape(S.shape)
 
 
 def supported(spec: CoreSpec) -> bool:

@@ -48,7 +48,7 @@ def test_one_token_attention_is_the_mlx_op_on_cpu(monkeypatch):
 @pytest.mark.parametrize(
     ("shapes", "message"),
     [
-        (((1, 6, 2, 64), (1, 2, 9, 64), (1, 2, 9, 64)), "q must be"),
+        (((1, 6, 10, 64), (1, 2, 9, 64), (1, 2, 9, 64)), "q must be"),  # more rows than keys
         (((1, 6, 1, 64), (2, 2, 9, 64), (2, 2, 9, 64)), "k must be"),
         (((1, 6, 1, 64), (1, 2, 9, 64), (1, 2, 8, 64)), "must have k's shape"),
         (((1, 6, 1, 64), (1, 2, 9, 32), (1, 2, 9, 32)), "head_dim 64 != k head_dim 32"),

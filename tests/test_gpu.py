@@ -102,6 +102,49 @@ def test_gdn_decode_kernel_matches_the_op_path(dtype):
         ref = [ref[0], ref[1]]
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gdn_decode_kernel_rows_are_single_steps(dtype):
+    """5 rows in one launch give, bit for bit, 5 one-row launches: outputs, the state after
+    each row and the final conv history (27B dims)."""
+    from qwen38_backend.kernels import gdn_decode
+
+    if not mx.cuda.is_available():
+        pytest.skip("the fused Gated DeltaNet decode kernel is CUDA-only")
+    hk, hv, dk, dv, kw, rows = 16, 48, 128, 128, 4, 5
+    spec = (hk, hv, dk, dv, 1e-6, "silu")
+    conv_dim = 2 * hk * dk + hv * dv
+    mx.random.seed(2)
+    weights = (
+        (0.5 * mx.random.normal((conv_dim, kw))).astype(dtype),
+        mx.random.uniform(0.0, 2.0, (hv,)).astype(dtype),
+        mx.random.uniform(-1.0, 1.0, (hv,)).astype(dtype),
+    )
+    norm_w = (1 + 0.1 * mx.random.normal((dv,))).astype(dtype)
+    x = [
+        mx.random.normal(shape).astype(dtype)
+        for shape in ((rows, conv_dim), (rows, hv * dv), (rows, hv), (rows, hv))
+    ]
+    hist = mx.random.normal((kw - 1, conv_dim)).astype(dtype)
+    state = 0.1 * mx.random.normal((hv, dv, dk))
+    out, last, states = gdn_decode.gdn_decode_rows(*x, hist, *weights, state, norm_w, spec=spec)
+    for t in range(rows):
+        o, hist, state = gdn_decode.gdn_decode_step(
+            *(a[t : t + 1] for a in x), hist, *weights, state, norm_w, spec=spec
+        )
+        assert mx.array_equal(out[t : t + 1], o).item(), f"row {t} output"
+        assert mx.array_equal(states[t], state).item(), f"row {t} state"
+    assert mx.array_equal(last, hist).item()
+
+
+def test_decode_attention_kernel_rows_are_single_steps():
+    """Rows of one multi-row call equal one-row calls at their lengths, bit for bit."""
+    kernel = _decode_kernel()
+    for length, rows in ((40, 5), (4096, 8), (33000, 3)):
+        k, v = _kv_views(4, length, 256, mx.bfloat16, seed=length)
+        q = mx.random.normal((1, 24, 1, 256), key=mx.random.key(length)).astype(mx.bfloat16)
+        assert kernel.rows_are_steps(q, k, v, 256**-0.5, rows=rows), (length, rows)
+
+
 def _kv_views(hkv, length, d, dtype, seed, layout="store"):
     """K/V [1, Hkv, L, D] laid out as a store passes them: `store` a prefix of a larger
     buffer (ContiguousKV), `pool` the paged pool's head-major prefix, `gathered` a fresh

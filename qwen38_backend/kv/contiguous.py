@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from ..rows import STEP_MAX_ROWS
 from .blocked import BLOCK_TOKENS, attend_past, spans
-from .one_token import attend_one_token, attend_rows
+from .one_token import attend_rows
 
 
 class ContiguousKV:
@@ -74,13 +74,7 @@ class ContiguousKV:
                 yield self.keys[..., a:b, :], self.values[..., a:b, :]
 
         if q.shape[2] <= STEP_MAX_ROWS:  # a step: each row as a one-token step (rows.py)
-            keys, values = dense()
-
-            def one(q_row: mx.array, t: int) -> mx.array:
-                n = past + t + 1
-                return attend_one_token(q_row, keys[..., :n, :], values[..., :n, :], scale)
-
-            return attend_rows(q, one, past)
+            return attend_rows(q, *dense(), scale)
         return attend_past(q, past, blocks, k, v, scale, dense, self.block_tokens)
 
     def nbytes(self) -> int:

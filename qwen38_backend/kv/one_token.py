@@ -6,8 +6,6 @@ by row through it (`attend_rows`), so each row is what a one-token step computes
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 
 
@@ -23,16 +21,21 @@ def _kernel_module():
 
 def attend_one_token(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """q [1, Hq, 1, D] over keys / values [1, Hkv, L, D] (views are fine) -> [1, Hq, 1, D]."""
+    return attend_rows(q, keys, values, scale)
+
+
+def attend_rows(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Causal attention of the newest T positions, q [1, Hq, T, D], over keys / values
+    [1, Hkv, L, D]: row t reads the first L - T + 1 + t keys, with the bits of a one-token
+    step at that length (the kernel takes every row in one call; elsewhere row by row)."""
     kernel = _kernel_module()
     if kernel is not None and kernel.usable(q, keys, values):
         return kernel.decode_attention(q, keys, values, scale)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
-
-
-def attend_rows(
-    q: mx.array, attend_one: Callable[[mx.array, int], mx.array], past: int
-) -> mx.array:
-    """Causal attention of q [1, Hq, T, D] (positions past .. past+T-1), row by row:
-    `attend_one(q_row, t)` attends row t as a decode step at context past + t + 1 would."""
-    rows = [attend_one(q[:, :, t : t + 1], t) for t in range(q.shape[2])]
-    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=2)
+    rows, length = q.shape[2], keys.shape[2]
+    outs = []
+    for t in range(rows):
+        n = length - rows + 1 + t
+        q_row = q if rows == 1 else q[:, :, t : t + 1]
+        k_row, v_row = (keys, values) if n == length else (keys[..., :n, :], values[..., :n, :])
+        outs.append(mx.fast.scaled_dot_product_attention(q_row, k_row, v_row, scale=scale))
+    return outs[0] if rows == 1 else mx.concatenate(outs, axis=2)

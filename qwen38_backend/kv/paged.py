@@ -441,34 +441,35 @@ class PagedKV:
                 return self._attend_selected(q, scale, n_pages, n_sel)
             self.stats["pages_selected"] += n_pages * k.shape[1]
             self.stats["kv_read_bytes"] += self.length * (k[0, :, 0].nbytes + v[0, :, 0].nbytes)
-            return self._attend_dense_step(q, k, v, scale, self.length)
+            return self._attend_dense(q, k, v, scale)
         past = self.length - T
         if T <= STEP_MAX_ROWS and self.dense_from(past + 1):
             # a step (a speculative verify): each row as the dense decode step at its position
-            return attend_rows(
-                q,
-                lambda q_row, t: self._attend_dense_step(
-                    q_row, k[:, :, t : t + 1], v[:, :, t : t + 1], scale, past + t + 1
-                ),
-                past,
-            )
+            return self._attend_dense(q, k, v, scale)
         block = self._block()
         return attend_past(
             q, past, lambda: self._past_blocks(past, block), k, v, scale, self._dense_kv, block
         )
 
-    def _attend_dense_step(
-        self, q: mx.array, k: mx.array, v: mx.array, scale: float, length: int
-    ) -> mx.array:
-        """A decode step reading every page: the query q [1, Hq, 1, D] at position length - 1
-        (k, v its own row, already stored) over rows [0, length)."""
-        if self.table.n_spilled:  # stream the past through the walk; no refetch storm
-            blocks = self._past_blocks(length - 1, self._block())
-            return blocked_attention(q, blocks, k, v, scale)
-        keys, values = self._dense_kv()
-        if length < self.length:
-            keys, values = keys[..., :length, :], values[..., :length, :]
-        return attend_one_token(q, keys, values, scale)
+    def _attend_dense(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """Decode steps reading every page: the newest T rows q [1, Hq, T, D] (k, v theirs,
+        already stored), each row as the step at its position."""
+        T = q.shape[2]
+        if not self.table.n_spilled:
+            return attend_rows(q, *self._dense_kv(), scale)
+        # stream the past through the walk (no refetch storm), row by row
+        past = self.length - T
+        outs = [
+            blocked_attention(
+                q[:, :, t : t + 1],
+                self._past_blocks(past + t, self._block()),
+                k[:, :, t : t + 1],
+                v[:, :, t : t + 1],
+                scale,
+            )
+            for t in range(T)
+        ]
+        return outs[0] if T == 1 else mx.concatenate(outs, axis=2)
 
     def reads_back(self) -> bool:
         """Whether a decode step reads device results on the host mid-step: a selection with

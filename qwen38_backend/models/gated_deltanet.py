@@ -10,8 +10,6 @@ probe passes.
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -233,21 +231,26 @@ class GatedDeltaNet(nn.Module):
 
     def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
         """Pure form of the few-token path: (output [T, hidden], the conv histories and the
-        recurrent states after each row). Each row runs the one-token core (the CUDA kernel
-        where it passed its probe), so row i is what a one-row step at its position computes."""
+        recurrent states after each row). Row i is what a one-row step at its position
+        computes: the CUDA kernel (where it passed its probe) runs the rows one after another
+        in one launch, the same code for any T; elsewhere the one-token core runs per row."""
         spec = self._core_spec()
-        if getattr(self, "_kernel_for", "") == str(x.dtype):
-            core = partial(_kernel_module().gdn_decode_step, spec=spec)
-        else:
-            core = decode_core(spec)
-        weights = (
-            self.conv1d.weight[:, :, 0].astype(x.dtype),
-            self.A_log,
-            self.dt_bias,
-        )
+        weights = (self.conv1d.weight[:, :, 0].astype(x.dtype), self.A_log, self.dt_bias)
         qkv, z, b, a = self._project(x)
+        T = x.shape[0]
+        if getattr(self, "_kernel_for", "") == str(x.dtype):
+            o, last, states = _kernel_module().gdn_decode_rows(
+                qkv, z, b, a, conv, *weights, recurrent, self.norm.weight, spec=spec
+            )
+            recurrents = [states[t : t + 1].reshape(recurrent.shape) for t in range(T)]
+            # history after row t: the newest K-1 inputs of [history; rows]; exact copies
+            xp = mx.concatenate([conv, qkv], axis=0) if T > 1 else None
+            K1 = conv.shape[0]
+            convs = [xp[t + 1 : t + 1 + K1] for t in range(T - 1)] + [last]
+            return project(self.out_proj, o), convs, recurrents
+        core = decode_core(spec)
         outs, convs, recurrents = [], [], []
-        for t in range(x.shape[0]):
+        for t in range(T):
             row = slice(t, t + 1)
             o, conv, recurrent = core(
                 qkv[row], z[row], b[row], a[row], conv, *weights, recurrent, self.norm.weight
@@ -255,7 +258,7 @@ class GatedDeltaNet(nn.Module):
             outs.append(o)
             convs.append(conv)
             recurrents.append(recurrent)
-        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        o = outs[0] if T == 1 else mx.concatenate(outs, axis=0)
         return project(self.out_proj, o), convs, recurrents
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
