@@ -21,6 +21,9 @@ verify may have and stay exact on this device.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,9 +32,26 @@ STEP_MAX_ROWS = 16  # forwards of at most this many rows run as steps (row by ro
 GPU_PAD_ROWS = 8  # products of fewer rows are padded to this many on a GPU (module docstring)
 
 
+_UNPADDED: ContextVar[bool] = ContextVar("qwen38_unpadded", default=False)
+
+
+@contextmanager
+def unpadded() -> Iterator[None]:
+    """Products built inside are not padded: a family that never verifies on a GPU
+    (CausalLM.rows_exact False) keeps its one-row kernels (on the H200 a 27B step with
+    padded products decodes ~18% slower: benchmarks/results/h200/decode_padding.json)."""
+    token = _UNPADDED.set(True)
+    try:
+        yield
+    finally:
+        _UNPADDED.reset(token)
+
+
 def pad_rows() -> int:
     """Rows a projection of fewer rows is padded to: 1 (none) on the CPU, GPU_PAD_ROWS on a
     GPU. QWEN38_PAD_ROWS overrides it (tests run the padded path on the CPU)."""
+    if _UNPADDED.get():
+        return 1
     forced = os.environ.get("QWEN38_PAD_ROWS")
     if forced:
         return int(forced)

@@ -685,6 +685,9 @@ def test_few_row_products_are_padded(monkeypatch):
     assert mx.array_equal(got, want).item()
     assert rows.project(linear, mx.zeros((9, 6))).shape == (9, 5) and seen[-1] == 9
     assert rows.exact_rows() == 8
+    with rows.unpadded():  # a family that never verifies on a GPU keeps one-row products
+        rows.project(linear, x)
+    assert seen[-1] == 3 and rows.pad_rows() == 8
 
 
 @pytest.mark.parametrize(

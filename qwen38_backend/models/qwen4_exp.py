@@ -20,6 +20,7 @@ import mlx.nn as nn
 from ..config import LINEAR, QSA, Qwen4ExpConfig
 from ..errors import InvalidOptionError, WeightsError
 from ..kv.contiguous import ContiguousKV
+from ..rows import unpadded
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
@@ -228,8 +229,9 @@ class Qwen4ExpBody(nn.Module):
 class Qwen4ExpModel(CausalLM):
     """Causal LM over token ids [T] of one sequence; per-layer state lives in `state`."""
 
-    # experts (gather_mm), QSA's selection and the stream mixes take a few rows unpadded:
-    # on a GPU a verify row could differ from a plain step (rows.py), so no drafting there
+    # experts (gather_mm), QSA's selection and the stream mixes take a few rows as they come:
+    # on a GPU a verify row could differ from a plain step (rows.py), so no drafting there,
+    # and nothing is padded (rows.unpadded)
     rows_exact = False
 
     def __init__(self, cfg: Qwen4ExpConfig):
@@ -246,10 +248,11 @@ class Qwen4ExpModel(CausalLM):
         offset = state.offset
         R = mx.tile(self.model.embed_tokens(ids), (1, self.config.hc_count))
         eager = state.eager_layers(ids.shape[0])
-        for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
-            R = layer(R, ids, layer_state, offset)
-            if eager:
-                mx.async_eval(R)
+        with unpadded():  # see logits_from_residual
+            for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
+                R = layer(R, ids, layer_state, offset)
+                if eager:
+                    mx.async_eval(R)
         return R
 
     def hidden(self, ids: mx.array, state: SequenceState) -> mx.array:
@@ -258,9 +261,10 @@ class Qwen4ExpModel(CausalLM):
 
     def logits_from_residual(self, R: mx.array) -> mx.array:
         read = self.model.hyper_connection_mixer.read
-        if R.shape[0] == 1 and Qwen4ExpBlock.compile_decode:  # one token: one graph replay
-            read = compiled(self.model.hyper_connection_mixer, "read")
-        return self.logits_from_hidden(read(R))
+        with unpadded():  # rows_exact: no verify runs here on a GPU, so nothing to pad
+            if R.shape[0] == 1 and Qwen4ExpBlock.compile_decode:  # one token: one replay
+                read = compiled(self.model.hyper_connection_mixer, "read")
+            return self.logits_from_hidden(read(R))
 
     def __call__(self, ids: mx.array, state: SequenceState, last_only: bool = False) -> mx.array:
         R = self.residual(ids, state)
