@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,6 +48,25 @@ def timed_forward(model, state, ids: list[int]) -> tuple[float, object]:
     return seconds, logits
 
 
+@contextmanager
+def one_row_products():
+    """Inside: MLX's own few-row products, unpadded (not row-exact on a GPU)."""
+    from qwen38_backend.kernels import rows_matmul
+
+    saved = {k: os.environ.get(k) for k in ("QWEN38_PAD_ROWS", "QWEN38_ROWS_KERNEL")}
+    os.environ.update(QWEN38_PAD_ROWS="1", QWEN38_ROWS_KERNEL="off")
+    rows_matmul.available.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        rows_matmul.available.cache_clear()
+
+
 def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
     """Real rounds through the engine (sampler, rollback, throttle included): greedy decode of
     --e2e tokens after the prompt, plain vs n-gram rounds whose drafts are the plain stream
@@ -69,7 +89,14 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
         return statistics.median(r[2] for r in runs), runs[-1][1], runs[-1][0]
 
     plain_rate, _, plain = rate(draft="off")
-    out: dict = {"tokens": args.e2e, "plain_tok_s": plain_rate, "by_p": {}}
+    with one_row_products():
+        one_row_rate = rate(draft="off")[0]
+    out: dict = {
+        "tokens": args.e2e,
+        "plain_tok_s": plain_rate,
+        "plain_one_row_products_tok_s": one_row_rate,
+        "by_p": {},
+    }
     real = drafts.ngram_match
     try:
         for p in (float(x) for x in args.p.split(",")):
@@ -87,6 +114,7 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
                 by_k[str(k)] = {
                     "tok_s": speed,
                     "speedup": speed / plain_rate,
+                    "speedup_vs_one_row_products": speed / one_row_rate,
                     "acceptance": stats.accepted / max(stats.drafted, 1),
                     "forwards": stats.forwards,
                     "identical_to_plain": tokens == plain,
@@ -125,7 +153,7 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from qwen38_backend.rows import pad_rows
+    from qwen38_backend.rows import kernel_dtype, pad_rows
 
     model, config, nbytes = random_model(args.dims, args.layers, args.dtype)
     vocab = config["text_config"]["vocab_size"]
@@ -138,14 +166,13 @@ def main() -> None:
         runs = [timed_forward(model, state, draft[: k + 1])[0] for _ in range(args.runs)]
         costs[k] = statistics.median(runs)
     plain = costs[0]
-    # the plain step as it ran before row padding (one-row products): a row-exact verify is
-    # not possible then, but it is the fastest plain decoding; both are reported
-    os.environ["QWEN38_PAD_ROWS"] = "1"
-    timed_forward(model, state, draft[:1])
-    unpadded = statistics.median(
-        timed_forward(model, state, draft[:1])[0] for _ in range(args.runs)
-    )
-    del os.environ["QWEN38_PAD_ROWS"]
+    # the plain step with MLX's one-row products (gemv, no row-invariant kernel, no padding):
+    # a row-exact verify is not possible then; it is what plain decoding ran before rows.py
+    with one_row_products():
+        timed_forward(model, state, draft[:1])
+        unpadded = statistics.median(
+            timed_forward(model, state, draft[:1])[0] for _ in range(args.runs)
+        )
     result = {
         "dims": args.dims,
         "layers": args.layers,
@@ -155,6 +182,7 @@ def main() -> None:
         "context": args.context,
         "weights_bytes": nbytes,
         "pad_rows": pad_rows(),
+        "rows_kernel": str(kernel_dtype()),
         "plain_step_ms": plain * 1e3,
         "plain_step_unpadded_ms": unpadded * 1e3,
         "verify_ms": {str(k + 1): costs[k] * 1e3 for k in range(1, args.max_k + 1)},

@@ -5,12 +5,14 @@ Speculative decoding keeps its output byte-identical to plain decoding only if r
 verify forward is what the plain step at that position computes. Where a row's bits could
 depend on the rows around it, a step does something that cannot:
 - projections: on a GPU a matmul of one row (a gemv kernel) rounds differently from the same
-  row among several (cuBLAS, quantized qmm), so every product of fewer than `pad_rows()` rows
-  is padded to that many (measured on the H200, MLX 0.32.4, 27B shapes,
-  benchmarks/probe_rows_gpu.py: bf16 rows are equal for 2..8 rows and an 8-row product costs
-  ~12% more than a one-row one; 4-bit rows are equal for 1..7 rows, which read the weights
-  once per row, and 8 rows switch to a kernel that reads them once and is faster than one
-  row). On the CPU rows are equal at any count (tested), so nothing is padded there.
+  row among several (cuBLAS, quantized qmm). Dense weights go through a row-invariant kernel
+  there (kernels/rows_matmul.py: every row computed the same way whatever the row count, the
+  weights read once); any other product of fewer than `pad_rows()` rows is padded to that
+  many (measured on the H200, MLX 0.32.4, 27B shapes, benchmarks/probe_rows_gpu.py: bf16
+  rows are equal for 2..8 rows and an 8-row product costs ~12% more than a one-row one;
+  4-bit rows are equal for 1..7 rows, which read the weights once per row, and 8 rows switch
+  to a kernel that reads them once and is faster than one row). On the CPU rows are equal at
+  any count (tested), so nothing is padded there.
 - attention: each row attends over its own causal prefix through the one-token path
   (kv/one_token.py), so its split of the keys is the plain step's;
 - Gated DeltaNet: the recurrence runs its one-token core row after row.
@@ -20,6 +22,7 @@ verify may have and stay exact on this device.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +36,22 @@ GPU_PAD_ROWS = 8  # products of fewer rows are padded to this many on a GPU (mod
 
 
 _UNPADDED: ContextVar[bool] = ContextVar("qwen38_unpadded", default=False)
+# the dtype whose few-row dense products run through kernels/rows_matmul.py in this forward
+# (decided by `prepare`, outside any compiled trace: the kernel's probe runs ops)
+_KERNEL_DTYPE: ContextVar[mx.Dtype | None] = ContextVar("qwen38_rows_kernel", default=None)
+
+
+def prepare(dtype: mx.Dtype) -> None:
+    """Decide how this forward's few-row products run (a family's forward calls it first):
+    through the row-invariant kernel where it runs and passed its probe, else padded."""
+    kernels = _kernel_module()
+    usable = kernels is not None and kernels.available(dtype)
+    _KERNEL_DTYPE.set(dtype if usable else None)
+
+
+def kernel_dtype() -> mx.Dtype | None:
+    """The dtype whose dense step products use the row-invariant kernel now (None: none)."""
+    return _KERNEL_DTYPE.get()
 
 
 @contextmanager
@@ -68,9 +87,39 @@ def exact_rows() -> int:
 
 
 def project(linear: nn.Module, x: mx.array) -> mx.array:
-    """linear(x) for x [T, ..., in]; fewer than pad_rows() rows are padded (module
-    docstring)."""
+    """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
+    where `prepare` chose it, else fewer than pad_rows() rows padded (module docstring)."""
+    kernel_for = _KERNEL_DTYPE.get()
+    if kernel_for is not None and x.shape[0] <= STEP_MAX_ROWS and x.dtype == kernel_for:
+        weight, bias = _dense_weight(linear)
+        kernels = _kernel_module()
+        if weight is not None and kernels.fits(x.reshape(-1, x.shape[-1]), weight):
+            y = kernels.rows_matmul(x.reshape(-1, x.shape[-1]), weight)
+            y = y.reshape(*x.shape[:-1], weight.shape[0])
+            return y if bias is None else y + bias
     rows, pad = x.shape[0], pad_rows()
     if rows >= pad:
         return linear(x)
     return linear(mx.pad(x, [(0, pad - rows)] + [(0, 0)] * (x.ndim - 1)))[:rows]
+
+
+def _dense_weight(linear) -> tuple[mx.array | None, mx.array | None]:
+    """(weight [out, in], bias) of an unquantized linear map (nn.Linear, or an embedding's
+    as_linear), else (None, None)."""
+    if isinstance(linear, nn.Linear):
+        return linear.weight, linear.get("bias")
+    owner = getattr(linear, "__self__", None)
+    if type(owner) is nn.Embedding and linear.__name__ == "as_linear":
+        return owner.weight, None
+    return None, None
+
+
+@functools.cache
+def _kernel_module():
+    """kernels/rows_matmul.py, or None in a source tree that was not installed (the package
+    maps `kernels/` to `qwen38_backend.kernels` at install)."""
+    try:
+        from .kernels import rows_matmul
+    except ImportError:
+        return None
+    return rows_matmul

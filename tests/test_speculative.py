@@ -690,6 +690,45 @@ def test_few_row_products_are_padded(monkeypatch):
     assert seen[-1] == 3 and rows.pad_rows() == 8
 
 
+def test_step_products_go_to_the_rows_kernel_where_chosen(monkeypatch):
+    """Where `rows.prepare` chose the row-invariant kernel (CUDA; here a stand-in computing
+    each row alone), a step's unquantized products go through it with their weight (a
+    Linear's, biased or not, or a tied embedding's), any leading shape; quantized products,
+    other dtypes and prefill-sized products do not."""
+    import mlx.nn as nn
+
+    kernels = rows._kernel_module()
+    calls = []
+
+    def row_by_row(x, w):  # each row on its own: what the kernel promises
+        calls.append((x.shape, w.shape))
+        return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])])
+
+    monkeypatch.setattr(kernels, "rows_matmul", row_by_row)
+    monkeypatch.setattr(kernels, "available", lambda dtype: dtype == mx.float32)
+    biased, plain = nn.Linear(8, 5), nn.Linear(8, 5, bias=False)
+    embedding = nn.Embedding(7, 8)
+    quantized = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=32, bits=4)
+    x = mx.random.normal((3, 8), key=mx.random.key(1))
+    rows.prepare(mx.float32)
+    assert rows.kernel_dtype() == mx.float32
+    for linear in (biased, plain, embedding.as_linear):
+        want = linear(x)
+        assert mx.allclose(rows.project(linear, x), want, atol=1e-6).item()
+    assert rows.project(plain, x.reshape(3, 1, 8)).shape == (3, 1, 5)
+    assert [w for _, w in calls] == [(5, 8), (5, 8), (7, 8), (5, 8)]
+    assert calls[-1][0] == (3, 8)
+    before = len(calls)
+    rows.project(quantized, mx.zeros((3, 64)))
+    rows.project(plain, x.astype(mx.float16))
+    rows.project(plain, mx.zeros((rows.STEP_MAX_ROWS + 1, 8)))
+    assert len(calls) == before
+    rows.prepare(mx.float16)  # the probe said no: nothing goes to the kernel
+    assert rows.kernel_dtype() is None
+    rows.project(plain, x)
+    assert len(calls) == before
+
+
 @pytest.mark.parametrize(
     ("which", "kv"),
     [

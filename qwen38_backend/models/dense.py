@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import rows
 from ..config import DenseConfig
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
@@ -59,6 +60,7 @@ class DenseModel(CausalLM):
         """Final-normed hidden states [T, hidden]."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
+        rows.prepare(h.dtype)
         eager = state.eager_layers(ids.shape[0])
         for layer, kv in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, kv, offset)

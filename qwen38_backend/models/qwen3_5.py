@@ -10,6 +10,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import rows
 from ..config import LINEAR, Qwen35Config
 from ..kv.contiguous import ContiguousKV
 from ..rows import STEP_MAX_ROWS
@@ -112,6 +113,7 @@ class Qwen35Model(CausalLM):
         """Final-normed hidden states [T, hidden] (also the MTP head's input)."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
+        rows.prepare(h.dtype)
         eager = state.eager_layers(ids.shape[0])
         for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
             h = layer(h, layer_state, offset)

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import rows
 from ..config import LINEAR, QSA, Qwen4ExpConfig
 from ..errors import InvalidOptionError, WeightsError
 from ..kv.contiguous import ContiguousKV
@@ -247,6 +248,7 @@ class Qwen4ExpModel(CausalLM):
         """The residual streams after the last layer, [T, hc * hidden] (the MTP head's input)."""
         offset = state.offset
         R = mx.tile(self.model.embed_tokens(ids), (1, self.config.hc_count))
+        rows.prepare(R.dtype)
         eager = state.eager_layers(ids.shape[0])
         with unpadded():  # see logits_from_residual
             for layer, layer_state in zip(self.model.layers, state.layers, strict=True):

@@ -1,0 +1,179 @@
+"""Row-invariant products for the few rows of a step, for CUDA: y = x @ w.T for x [R, K]
+(R <= 16), each row computed by the same instructions in the same order whatever R is, with
+the weights read once for all rows.
+
+Why: speculative verify rows must equal plain steps bit for bit (rows.py). MLX on CUDA
+computes a one-row product with a gemv kernel and several rows with cuBLAS, which round
+differently, so the rows of a verify were padded to 8 and every plain step with them: on the
+H200 that cost plain 27B decode 18% (benchmarks/results/h200/decode_padding.json). Here one
+kernel serves 1..8 rows per launch (more rows: more launches), so nothing is padded.
+
+Each block computes NB outputs (rows of w) for all R rows of x: its 256 threads stride over
+K in 16-byte vectors, accumulating in fp32 with fmaf in a fixed order, then a warp butterfly
+and a fixed-order sum over the 8 warps. Nothing in a row's arithmetic depends on R or on the
+other rows. `available()` probes the kernel once per dtype: rows equal to one-row launches
+bit for bit and close to an fp32 reference; any error or disagreement disables it with a
+warning (the padded MLX product then runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import mlx.core as mx
+
+from .decode_attention import _HEADER as VECTORS  # Vec<T>: 16 bytes of T -> floats
+
+THREADS = 256
+ROWS_PER_LAUNCH = 8
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+# Template constants from the call: T (dtype), R (rows), NB (outputs per block).
+_SOURCE = """
+    using namespace qwen38_dattn;
+    constexpr int THREADS = __THREADS__, WARPS = THREADS / 32;
+    constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
+    const int KV = x_shape[1] / VEC;               // vectors per row (K % VEC == 0)
+    const int N = w_shape[0];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long n0 = (long long)blockIdx.x * NB;
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    __shared__ float red[WARPS * R * NB];
+
+    float acc[R][NB];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < NB; ++j) acc[r][j] = 0.0f;
+
+    for (int c = tid; c < KV; c += THREADS) {
+        uint4 wr[NB];
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+            wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float xf[VEC];
+            Vec<T>::to_float(xv[(long long)r * KV + c], xf);
+#pragma unroll
+            for (int j = 0; j < NB; ++j) {
+                float wf[VEC];
+                Vec<T>::to_float(wr[j], wf);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[r][j] = fmaf(xf[e], wf[e], acc[r][j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+            float v = acc[r][j];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+            if (lane == 0) red[(warp * R + r) * NB + j] = v;
+        }
+    __syncthreads();
+    if (tid < R * NB) {
+        const int r = tid / NB, j = tid % NB;
+        if (n0 + j < N) {
+            float s = 0.0f;
+            for (int k = 0; k < WARPS; ++k) s += red[(k * R + r) * NB + j];
+            y[(long long)r * N + n0 + j] = T(s);
+        }
+    }
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="qwen38_rows_matmul",
+        input_names=["x", "w"],
+        output_names=["y"],
+        source=_SOURCE.replace("__THREADS__", str(THREADS)),
+        header=VECTORS,
+    )
+
+
+def _outputs_per_block(rows: int) -> int:
+    """More outputs per block read x fewer times; fewer keep the accumulators in registers."""
+    return 8 if rows <= 4 else 4
+
+
+def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x [R, K] @ w[N, K].T -> [R, N] in x's dtype (fp32 accumulation), R >= 1, every row
+    computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0."""
+    n = w.shape[0]
+    outs = []
+    for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
+        part = x[start : start + ROWS_PER_LAUNCH]
+        rows = part.shape[0]
+        nb = _outputs_per_block(rows)
+        outs.append(
+            _kernel()(
+                inputs=[part, w],
+                template=[("T", x.dtype), ("R", rows), ("NB", nb)],
+                grid=(-(-n // nb) * THREADS, 1, 1),
+                threadgroup=(THREADS, 1, 1),
+                output_shapes=[(rows, n)],
+                output_dtypes=[x.dtype],
+            )[0]
+        )
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def fits(x: mx.array, w: mx.array) -> bool:
+    """Whether rows_matmul takes these operands (shapes and dtypes; not the probe)."""
+    vec = 16 // x.dtype.size
+    return (
+        x.ndim == 2
+        and w.ndim == 2
+        and x.dtype == w.dtype
+        and x.dtype in DTYPES
+        and x.shape[1] == w.shape[1]
+        and x.shape[1] % vec == 0
+    )
+
+
+def supported() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+@functools.cache
+def available(dtype: mx.Dtype) -> bool:
+    """True when the kernel runs here, its rows equal one-row launches bit for bit and it
+    agrees with an fp32 product (probed once per dtype); else False, with a warning when it
+    ran but disagreed. QWEN38_ROWS_KERNEL: auto | off | force (skip the probe)."""
+    choice = os.environ.get("QWEN38_ROWS_KERNEL", "auto")
+    if choice == "off" or dtype not in DTYPES or not supported():
+        return False
+    if choice == "force":
+        return True
+    kx, kw = mx.random.split(mx.random.key(11))
+    rows, k, n = 11, 1000 * (16 // dtype.size), 203  # two launches; a partial last block
+    x = mx.random.normal((rows, k), key=kx).astype(dtype)
+    w = (mx.random.normal((n, k), key=kw) / k**0.5).astype(dtype)
+    try:
+        together = rows_matmul(x, w)
+        alone = mx.concatenate([rows_matmul(x[i : i + 1], w) for i in range(rows)])
+        want = x.astype(mx.float32) @ w.astype(mx.float32).T
+        mx.eval(together, alone, want)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the padded product
+        warnings.warn(f"rows matmul kernel unavailable ({e}); padding instead", stacklevel=2)
+        return False
+    same = mx.array_equal(together, alone).item()
+    ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-10 if dtype == mx.float16 else 2.0**-7
+    err = mx.abs(together.astype(mx.float32) - want) - (2 * ulp * mx.abs(want) + 1e-4)
+    close = (err <= 0).all().item()
+    if not (same and close):
+        warnings.warn(
+            f"rows matmul kernel disagrees (rows equal to one-row launches: {same}, close "
+            f"to fp32: {close}); padding instead",
+            stacklevel=2,
+        )
+        return False
+    return True
