@@ -92,9 +92,10 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
     kernel_for = _KERNEL_DTYPE.get()
     if kernel_for is not None and x.shape[0] <= STEP_MAX_ROWS and x.dtype == kernel_for:
         weight, bias = _dense_weight(linear)
+        flat = x.reshape(-1, x.shape[-1])
         kernels = _kernel_module()
-        if weight is not None and kernels.fits(x.reshape(-1, x.shape[-1]), weight):
-            y = kernels.rows_matmul(x.reshape(-1, x.shape[-1]), weight)
+        if weight is not None and flat.shape[0] <= STEP_MAX_ROWS and kernels.fits(flat, weight):
+            y = kernels.rows_matmul(flat, weight)
             y = y.reshape(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     rows, pad = x.shape[0], pad_rows()
