@@ -7,7 +7,8 @@ weight matrices cycled so that none stays in L2): the median time of one product
 weight bytes it reads per second, for MLX's one-row product (gemv: what unpadded plain
 decoding ran), MLX's product padded to 8 rows (what row-exact decoding ran), and the kernel
 with 1, 2, 4, 5 and 8 rows. Identity: every kernel row equals the one-row kernel call bit for
-bit; error against an fp32 product, next to MLX's own.
+bit; error against an fp32 product, next to MLX's own. `--loads`: the kernel with other
+numbers of weight loads in flight per lane (1 and 5 rows).
 """
 
 from __future__ import annotations
@@ -53,16 +54,25 @@ def measure(n: int, k: int, args) -> dict:
     from qwen38_backend.kernels import rows_matmul as kernel
 
     dtype = mx.bfloat16
+    default_loads = kernel.LOADS
     nbytes = n * k * dtype.size
     copies = max(1, min(8, int(args.l2_bytes // nbytes) + 1))
     keys = mx.random.split(mx.random.key(0), copies + 1)
     weights = [(mx.random.normal((n, k), key=kk) * k**-0.5).astype(dtype) for kk in keys[1:]]
     x = mx.random.normal((8, k), key=keys[0]).astype(dtype)
     mx.eval(weights, x)
+    def product(w, rows: int, loads: int):
+        kernel.LOADS = loads  # read when the launch is built
+        return kernel.rows_matmul(x[:rows], w)
+
     variants = {"mlx_1row": lambda w: x[:1] @ w.T, "mlx_8rows": lambda w: x @ w.T}
     for rows in (1, 2, 4, 5, 8):
-        variants[f"kernel_{rows}rows"] = lambda w, r=rows: kernel.rows_matmul(x[:r], w)
+        variants[f"kernel_{rows}rows"] = lambda w, r=rows: product(w, r, default_loads)
+    for loads in args.loads:
+        for rows in (1, 5):
+            variants[f"kernel_{rows}rows_loads{loads}"] = lambda w, r=rows, u=loads: product(w, r, u)
     ms = {v: median_ms(f, weights, args.runs, args.inner) for v, f in variants.items()}
+    kernel.LOADS = default_loads
     w = weights[0]
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     together = kernel.rows_matmul(x, w)
@@ -90,6 +100,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--inner", type=int, default=24)
     ap.add_argument("--l2-bytes", type=float, default=4 * 50e6, help="weights cycled past this")
+    ap.add_argument("--loads", type=lambda v: [int(u) for u in v.split(",")], default=[2, 8])
     ap.add_argument("--shapes", default=",".join(n for n, _, _ in SHAPES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -8,12 +8,13 @@ differently, so the rows of a verify were padded to 8 and every plain step with 
 H200 that cost plain 27B decode 18% (benchmarks/results/h200/decode_padding.json). Here one
 kernel serves 1..8 rows per launch (more rows: more launches), so nothing is padded.
 
-Each block computes NB outputs (rows of w) for all R rows of x: its 256 threads stride over
-K in 16-byte vectors, accumulating in fp32 with fmaf in a fixed order, then a warp butterfly
-and a fixed-order sum over the 8 warps. Nothing in a row's arithmetic depends on R or on the
-other rows. `available()` probes the kernel once per dtype: rows equal to one-row launches
-bit for bit and close to an fp32 reference; any error or disagreement disables it with a
-warning (the padded MLX product then runs).
+Each warp computes NW outputs (rows of w) for all R rows of x, as MLX's gemv does for one:
+its lanes stride over K in 16-byte vectors, accumulating in fp32 with fmaf in ascending
+order, then a warp butterfly. Nothing in a row's arithmetic depends on R or on the other
+rows (R only changes how many outputs a warp takes and how many loads it batches).
+`available()` probes the kernel once per dtype: rows equal to one-row launches bit for bit
+and close to an fp32 reference; any error or disagreement disables it with a warning (the
+padded MLX product then runs).
 """
 
 from __future__ import annotations
@@ -28,63 +29,71 @@ from .decode_attention import _HEADER as VECTORS  # Vec<T>: 16 bytes of T -> flo
 
 THREADS = 256
 ROWS_PER_LAUNCH = 8
+LOADS = 4  # 16-byte weight vectors a lane has in flight (outputs per warp x unroll)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# Template constants from the call: T (dtype), R (rows), NB (outputs per block).
+# Template constants from the call: T (dtype), R (rows), NW (outputs per warp), U (vectors a
+# lane loads per output before using them).
 _SOURCE = """
     using namespace qwen38_dattn;
-    constexpr int THREADS = __THREADS__, WARPS = THREADS / 32;
+    constexpr int WARPS = __THREADS__ / 32;
     constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
     const int KV = x_shape[1] / VEC;               // vectors per row (K % VEC == 0)
     const int N = w_shape[0];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const long long n0 = (long long)blockIdx.x * NB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
     const uint4* wv = reinterpret_cast<const uint4*>(w);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
-    __shared__ float red[WARPS * R * NB];
 
-    float acc[R][NB];
+    float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int j = 0; j < NB; ++j) acc[r][j] = 0.0f;
+        for (int j = 0; j < NW; ++j) acc[r][j] = 0.0f;
 
-    for (int c = tid; c < KV; c += THREADS) {
-        uint4 wr[NB];
-#pragma unroll
-        for (int j = 0; j < NB; ++j)
-            wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : make_uint4(0u, 0u, 0u, 0u);
+    // lane's vectors lane, lane + 32, ... in ascending order for every (row, output): the
+    // loads of U of them are issued before their products (the order of the sums is fixed)
+    auto accumulate = [&](const uint4 (&wr)[NW], int c) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             float xf[VEC];
             Vec<T>::to_float(xv[(long long)r * KV + c], xf);
 #pragma unroll
-            for (int j = 0; j < NB; ++j) {
+            for (int j = 0; j < NW; ++j) {
                 float wf[VEC];
                 Vec<T>::to_float(wr[j], wf);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) acc[r][j] = fmaf(xf[e], wf[e], acc[r][j]);
             }
         }
+    };
+    auto load = [&](uint4 (&wr)[NW], int c) {
+#pragma unroll
+        for (int j = 0; j < NW; ++j)
+            wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : make_uint4(0u, 0u, 0u, 0u);
+    };
+    int c = lane;
+    for (; c + 32 * (U - 1) < KV; c += 32 * U) {
+        uint4 wr[U][NW];
+#pragma unroll
+        for (int u = 0; u < U; ++u) load(wr[u], c + 32 * u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) accumulate(wr[u], c + 32 * u);
+    }
+    for (; c < KV; c += 32) {
+        uint4 wr[1][NW];
+        load(wr[0], c);
+        accumulate(wr[0], c);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int j = 0; j < NB; ++j) {
+        for (int j = 0; j < NW; ++j) {
             float v = acc[r][j];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-            if (lane == 0) red[(warp * R + r) * NB + j] = v;
+            if (lane == 0 && n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
         }
-    __syncthreads();
-    if (tid < R * NB) {
-        const int r = tid / NB, j = tid % NB;
-        if (n0 + j < N) {
-            float s = 0.0f;
-            for (int k = 0; k < WARPS; ++k) s += red[(k * R + r) * NB + j];
-            y[(long long)r * N + n0 + j] = T(s);
-        }
-    }
 """
 
 
@@ -99,9 +108,9 @@ def _kernel():
     )
 
 
-def _outputs_per_block(rows: int) -> int:
-    """More outputs per block read x fewer times; fewer keep the accumulators in registers."""
-    return 8 if rows <= 4 else 4
+def _outputs_per_warp(rows: int) -> int:
+    """More outputs per warp read x fewer times; one keeps a one-row step a plain gemv."""
+    return 1 if rows == 1 else 2 if rows <= 4 else 4
 
 
 def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
@@ -112,12 +121,13 @@ def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
         part = x[start : start + ROWS_PER_LAUNCH]
         rows = part.shape[0]
-        nb = _outputs_per_block(rows)
+        nw = _outputs_per_warp(rows)
+        per_block = nw * THREADS // 32
         outs.append(
             _kernel()(
                 inputs=[part, w],
-                template=[("T", x.dtype), ("R", rows), ("NB", nb)],
-                grid=(-(-n // nb) * THREADS, 1, 1),
+                template=[("T", x.dtype), ("R", rows), ("NW", nw), ("U", LOADS // nw)],
+                grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),
                 output_shapes=[(rows, n)],
                 output_dtypes=[x.dtype],
