@@ -61,6 +61,7 @@ def measure(n: int, k: int, args) -> dict:
     weights = [(mx.random.normal((n, k), key=kk) * k**-0.5).astype(dtype) for kk in keys[1:]]
     x = mx.random.normal((8, k), key=keys[0]).astype(dtype)
     mx.eval(weights, x)
+
     def product(w, rows: int, loads: int):
         kernel.LOADS = loads  # read when the launch is built
         return kernel.rows_matmul(x[:rows], w)
@@ -70,7 +71,8 @@ def measure(n: int, k: int, args) -> dict:
         variants[f"kernel_{rows}rows"] = lambda w, r=rows: product(w, r, default_loads)
     for loads in args.loads:
         for rows in (1, 5):
-            variants[f"kernel_{rows}rows_loads{loads}"] = lambda w, r=rows, u=loads: product(w, r, u)
+            name = f"kernel_{rows}rows_loads{loads}"
+            variants[name] = lambda w, r=rows, u=loads: product(w, r, u)
     ms = {v: median_ms(f, weights, args.runs, args.inner) for v, f in variants.items()}
     kernel.LOADS = default_loads
     w = weights[0]
