@@ -166,6 +166,7 @@ def main() -> None:
         runs = [timed_forward(model, state, draft[: k + 1])[0] for _ in range(args.runs)]
         costs[k] = statistics.median(runs)
     plain = costs[0]
+    kernel = kernel_dtype()  # before the comparison below switches it off
     # the plain step with MLX's one-row products (gemv, no row-invariant kernel, no padding):
     # a row-exact verify is not possible then; it is what plain decoding ran before rows.py
     with one_row_products():
@@ -182,7 +183,7 @@ def main() -> None:
         "context": args.context,
         "weights_bytes": nbytes,
         "pad_rows": pad_rows(),
-        "rows_kernel": str(kernel_dtype()),
+        "rows_kernel": str(kernel),
         "plain_step_ms": plain * 1e3,
         "plain_step_unpadded_ms": unpadded * 1e3,
         "verify_ms": {str(k + 1): costs[k] * 1e3 for k in range(1, args.max_k + 1)},

@@ -126,7 +126,7 @@ def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
         outs.append(
             _kernel()(
                 inputs=[part, w],
-                template=[("T", x.dtype), ("R", rows), ("NW", nw), ("U", LOADS // nw)],
+                template=[("T", x.dtype), ("R", rows), ("NW", nw), ("U", max(LOADS // nw, 1))],
                 grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),
                 output_shapes=[(rows, n)],
