@@ -246,11 +246,29 @@ def _schedule(context: int, chunk: int, prompt: int | None) -> list[int]:
     return out
 
 
+def default_prefill_chunk() -> int:
+    """Tokens per prefill chunk: $QWEN38_PREFILL_CHUNK, else 2048 on CUDA, 512 on another GPU
+    and 128 on the CPU. On the CPU throughput is the same (measured on the demo) and a chunk
+    is what a cancel waits for; on the H200 a chunk re-reads all weights, and 2048 prefilled
+    27B dims ~2x faster at depth than 512 (benchmarks/results/h200/, README) for a walk
+    scratch of SCORE_BLOCKS_LIVE x chunk x block scores (3.6 GiB at 24 heads) that a
+    datacenter GPU holds; Metal machines share their RAM with the weights, so they keep 512."""
+    env = os.environ.get("QWEN38_PREFILL_CHUNK", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise InvalidOptionError(f"QWEN38_PREFILL_CHUNK={env!r}: must be a positive integer")
+        return int(env)
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return 128
+    return 2048 if mx.cuda.is_available() else 512
+
+
 def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPlan:
     """Bytes per component for one sequence of `context` tokens (see the module docstring).
 
     config_or_model: an HF config dict, an engine Model, or a built network.
-    Options: dtype (state/activation dtype), weights_dtype, kv_dtype, prefill_chunk (512),
+    Options: dtype (state/activation dtype), weights_dtype, kv_dtype, prefill_chunk (a Model's,
+    else this device's default_prefill_chunk()),
     prompt_tokens (how many of the context are prefilled; default all), kv_paged,
     kv_page_tokens (32), kv_pool_tokens (resident KV rows; the rest spills to disk),
     mtp (default: on when the config has an MTP head), fused_attention (default: on GPU),
@@ -325,7 +343,11 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     per_token = n_attn * hkv * hd * 2 * kvb
     plan.kv_token_bytes = per_token
 
-    chunk = int(options.get("prefill_chunk") or 512)
+    chunk = int(
+        options.get("prefill_chunk")
+        or getattr(config_or_model, "prefill_chunk", None)  # a loaded Model's own
+        or default_prefill_chunk()
+    )
     schedule = _schedule(context, chunk, prompt_tokens)
     choice = choose_kv(**{k: options[k] for k in KV_OPTION_KEYS if k in options})
     plan.kv = choice

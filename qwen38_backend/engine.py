@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -14,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import drafts, speculative
+from .admission import default_prefill_chunk
 from .errors import Cancelled, InvalidOptionError
 from .generation import GenerationStats, TokenStream, stop_reason
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
@@ -48,18 +48,6 @@ def _collect_arrays(value: Any, out: list[mx.array], seen: set[int]) -> None:
     elif hasattr(value, "__dict__") and id(value) not in seen:
         seen.add(id(value))
         _collect_arrays(vars(value), out, seen)
-
-
-def default_prefill_chunk() -> int:
-    """Tokens per prefill chunk: $QWEN38_PREFILL_CHUNK, else 512 on a GPU and 128 on the CPU,
-    where throughput is the same (measured on the demo) and a chunk is what a cancel waits
-    for."""
-    env = os.environ.get("QWEN38_PREFILL_CHUNK", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise InvalidOptionError(f"QWEN38_PREFILL_CHUNK={env!r}: must be a positive integer")
-        return int(env)
-    return 512 if mx.default_device().type == mx.DeviceType.gpu else 128
 
 
 def check_cancel(cancel: threading.Event | None) -> None:

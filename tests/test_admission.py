@@ -269,3 +269,18 @@ def test_refusal_names_a_pool_that_fits(dense):
     smaller = memory_plan(dense, context, kv_paged="on", kv_pool_tokens=tokens, dtype="float32")
     admit(smaller, available, include_weights=False, disk_available=10**12)
     assert smaller.disk > 0 and tokens < context
+
+
+def test_plan_of_a_model_uses_its_own_prefill_chunk(dense, monkeypatch):
+    """A session plans with the chunk its model prefills in (before: always 512), and a plan
+    from a config with this device's default chunk."""
+    from qwen38_backend.admission import default_prefill_chunk
+
+    monkeypatch.setattr(dense, "prefill_chunk", 1024)
+    n = 3000
+    own = memory_plan(dense, n, prompt_tokens=n)
+    assert own.ram == memory_plan(dense, n, prompt_tokens=n, prefill_chunk=1024).ram
+    assert own.ram != memory_plan(dense, n, prompt_tokens=n, prefill_chunk=512).ram
+    assert default_prefill_chunk() == 128  # this CPU
+    monkeypatch.setenv("QWEN38_PREFILL_CHUNK", "300")
+    assert default_prefill_chunk() == 300

@@ -224,7 +224,7 @@ def test_flash_next_plan_at_262144_tokens():
     from qwen38_backend.errors import AdmissionError
 
     n = 262_144
-    plan = memory_plan(_flash_next_config(), n, dtype="bfloat16", mtp=False)
+    plan = memory_plan(_flash_next_config(), n, dtype="bfloat16", mtp=False, prefill_chunk=512)
     # QWEN38.md: main KV 24 KiB/token (12 layers x 2 heads x 256 x K,V x bf16)
     assert plan["kv"] == 24 * 1024 * n
     # raw indexer keys 3 KiB/token (12 x 128 x bf16) plus a pooled key per 4 tokens
