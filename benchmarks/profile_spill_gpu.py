@@ -3,9 +3,14 @@
     python benchmarks/profile_spill_gpu.py --layers 16 --length 32768 --pool-tokens 8192
 
 Prefills one paged state fully resident and one with a capped pool (pages spilled), then
-decodes `--decode` tokens on each: per-step wall times (median, first step apart: it fetches
-most of the first selection) and a cProfile of the spilled decode (top functions by own time
-and by cumulative time). `--dims tiny --layers 4` smoke-tests the script on a CPU.
+decodes `--runs` x `--decode` tokens on each: per-step wall times (median, first step apart:
+it fetches most of the first selection), pages fetched per attention layer-step, then one
+more `--decode` tokens under cProfile (top functions by own time and by cumulative time).
+`host_ms_per_layer_step` is the spilled step's extra time over the resident one per
+attention layer. On a CPU (the same shape of host work, small dims):
+
+    nice -n 10 python benchmarks/profile_spill_gpu.py --dims tiny --layers 64 --length 8192 \
+        --pool-tokens 4096 --page-tokens 16 --budget 1024 --chunk 2048 --runs 3
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ def step_times(model, state, first: int, n: int) -> list[float]:
     return times
 
 
+def attention_layers(state) -> list:
+    return [layer for layer in state.layers if hasattr(layer, "budget_pages")]
+
+
+def fetched(state) -> int:
+    return sum(layer.stats["pages_fetched"] for layer in attention_layers(state))
+
+
 def top(profile: cProfile.Profile, key: str, n: int) -> list[str]:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats(key).print_stats(n)
@@ -56,6 +69,8 @@ def main() -> None:
     ap.add_argument("--page-tokens", type=int, default=None)
     ap.add_argument("--pool-tokens", type=int, default=8192)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (model default)")
+    ap.add_argument("--runs", type=int, default=1, help="timed decodes (medians over them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -74,37 +89,43 @@ def main() -> None:
     ):
         state = model.new_state(**kv, **extra)
         t = time.perf_counter()
-        logits = model.prefill(prompt(args.length, vocab), state)
+        logits = model.prefill(prompt(args.length, vocab), state, chunk=args.chunk)
         first = int(mx.argmax(logits).item())
         prefill_seconds = time.perf_counter() - t
         step_times(model, state, first, 4)  # warm: compiles the decode graph
-        profile = cProfile.Profile() if label == "spilled" else None
-        if profile:
-            profile.enable()
-        times = step_times(model, state, first, args.decode)
-        if profile:
-            profile.disable()
-        fetched = sum(
-            layer.stats.get("pages_fetched", 0)
-            for layer in state.layers
-            if hasattr(layer, "budget_pages")
-        )
+        n_attn = len(attention_layers(state))
+        medians, rates, per_layer_step = [], [], []
+        for _ in range(args.runs):
+            before = fetched(state)
+            times = step_times(model, state, first, args.decode)
+            medians.append(statistics.median(times[1:]))
+            rates.append((len(times) - 1) / sum(times[1:]))
+            per_layer_step.append((fetched(state) - before) / (len(times) * n_attn))
+        profile = cProfile.Profile()
+        profile.enable()
+        step_times(model, state, first, args.decode)
+        profile.disable()
         row = {
             "prefill_seconds": prefill_seconds,
-            "prefill_chunk": model.prefill_chunk,
-            "first_step_s": times[0],
-            "median_step_s": statistics.median(times[1:]),
-            "tok_s_after_first": (len(times) - 1) / sum(times[1:]),
-            "pages_fetched": fetched,
+            "prefill_chunk": args.chunk or model.prefill_chunk,
+            "attention_layers": n_attn,
+            "median_step_s": statistics.median(medians),
+            "median_step_s_runs": medians,
+            "tok_s_after_first": statistics.median(rates),
+            "tok_s_runs": rates,
+            "pages_fetched_per_layer_step": statistics.median(per_layer_step),
+            "pages_fetched_total": fetched(state),
+            "top_tottime": top(profile, "tottime", 25),
+            "top_cumtime": top(profile, "cumulative", 40),
         }
-        if profile:
-            row["top_tottime"] = top(profile, "tottime", 25)
-            row["top_cumtime"] = top(profile, "cumulative", 40)
         result[label] = row
         print(json.dumps({label: {k: v for k, v in row.items() if "top" not in k}}), flush=True)
         state.close()
         del state, logits
         mx.clear_cache()
+    extra_s = result["spilled"]["median_step_s"] - result["resident"]["median_step_s"]
+    result["host_ms_per_layer_step"] = 1e3 * extra_s / result["spilled"]["attention_layers"]
+    print(json.dumps({"host_ms_per_layer_step": result["host_ms_per_layer_step"]}), flush=True)
     write_json(result, args.out)
 
 
