@@ -184,7 +184,7 @@ class PagedKV:
             return []
         need = self._behind_reserve() - (pool.free_slots + pool.max_pages - pool.capacity)
         candidates = []
-        for slot in pool.eviction_order():
+        for slot in pool.victims():
             if len(candidates) >= need:
                 break
             owner, page = pool.owner_of(slot)
@@ -307,8 +307,12 @@ class PagedKV:
 
     def _upload(self, pages: list[int], fetched: dict) -> tuple[mx.array, mx.array]:
         """K and V of fetched pages as [Hkv, n * P, D] on the device: one host-to-device
-        copy for all of them (a copy per page cost ~0.5 ms each on the H200's host)."""
-        both = np.stack([np.concatenate([fetched[p][i] for p in pages], 1) for i in (0, 1)])
+        copy for all of them (a copy per page cost ~0.5 ms each on the H200's host), from
+        one host buffer filled by a single copy of the pages."""
+        k, v = fetched[pages[0]]
+        both = np.empty((2, k.shape[0], len(pages) * k.shape[1], k.shape[2]), k.dtype)
+        for i in (0, 1):
+            np.concatenate([fetched[p][i] for p in pages], axis=1, out=both[i])
         both = from_host(both, self.pool.k.dtype)
         return both[:1].squeeze(0), both[1:].squeeze(0)  # views ([0] would be a gather)
 
@@ -401,12 +405,14 @@ class PagedKV:
         [Hkv, *S, D]. Spilled pages among them are fetched first (resident ones pinned, so
         the fetches cannot evict them); with a bounded pool at most `gather_limit()` pages."""
         P = self.page_tokens
-        pinned: list[int] = []
         if self.table.n_spilled:
-            pinned = self._resident_selection(positions // P)
-        rows = positions if self.table.identity else self.table.array()[positions // P] * P
-        if not self.table.identity:
-            rows = rows + positions % P
+            pinned, slots = self._resident_selection(positions // P)
+            rows = mx.array(slots, dtype=mx.int32) * P + positions % P
+        else:
+            pinned = []
+            rows = positions
+            if not self.table.identity:
+                rows = self.table.array()[positions // P] * P + positions % P
         keys = mx.take(self.pool.k, rows, axis=1)
         values = mx.take(self.pool.v, rows, axis=1)
         if pinned:  # the gathers read this version of the pool: later writes cannot reach it
@@ -503,9 +509,11 @@ class PagedKV:
         n_pages = mx.array(len(self.table), dtype=mx.int32)
         return run(q, self.kmin, self.kmax, n_pages)
 
-    def _resident_selection(self, pages: mx.array) -> list[int]:
+    def _resident_selection(self, pages: mx.array) -> tuple[list[int], np.ndarray]:
         """Make every selected page resident: pin the resident ones, fetch the misses (the
-        pins keep those allocations from evicting the selection). Returns the pinned slots."""
+        pins keep those allocations from evicting the selection). Returns the pinned slots
+        and the slot of each entry of `pages` (a host array of its shape: the caller gathers
+        through it instead of uploading the whole table, which changed)."""
         behind = []
         if self._fetched and self._fetched >= self._behind_reserve() // 2:
             behind, self._fetched = self._behind_pages(), 0
@@ -513,20 +521,23 @@ class PagedKV:
         mx.eval(pages, *gathered)  # one wait: the selection and the pages to write behind
         if behind:
             self.table.write_behind(behind, gathered)
-        wanted = np.unique(np.array(pages)).tolist()  # the selection is read on the host
+        selected = np.array(pages)  # the selection is read on the host
+        wanted = np.unique(selected)
         slots = self.table.slots
-        resident = [slots[p] for p in wanted if slots[p] != SPILLED]
-        misses = [p for p in wanted if slots[p] == SPILLED]
+        wanted_slots = np.array([slots[p] for p in wanted.tolist()], dtype=np.int32)
+        missed = wanted_slots == SPILLED
+        resident = wanted_slots[~missed].tolist()
         self.pool.pin(resident)
-        if misses:
+        if missed.any():
             try:
-                fetched = self._fetch(misses)
+                fetched = self._fetch(wanted[missed].tolist())
             except (SpillError, AdmissionError):
                 self.pool.unpin(resident)
                 raise
             self.pool.pin(fetched)
             resident += fetched
-        return resident
+            wanted_slots[missed] = fetched
+        return resident, wanted_slots[np.searchsorted(wanted, selected)]
 
     def _attend_selected(self, q: mx.array, scale: float, n_pages: int, n_sel: int) -> mx.array:
         P = self.page_tokens
@@ -538,10 +549,12 @@ class PagedKV:
         if self.profile:
             mx.eval(pages)
             t1 = time.perf_counter()
-        pinned: list[int] = []
         if self.table.n_spilled:
-            pinned = self._resident_selection(pages)
-        slots = pages if self.table.identity else self.table.array()[pages]
+            pinned, host_slots = self._resident_selection(pages)
+            slots = mx.array(host_slots)
+        else:
+            pinned = []
+            slots = pages if self.table.identity else self.table.array()[pages]
         # The last (open) page is selected and sorts last: drop its unwritten tail.
         n_rows = n_sel * P - (n_pages * P - self.length)
         if self.shared:  # one page set: a plain gather of rows for every head

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import mlx.core as mx
@@ -209,6 +209,11 @@ class PagePool:
         """(table, logical page) of a sealed slot."""
         ref, page = self._owner[slot]
         return ref(), page
+
+    def victims(self) -> Iterator[int]:
+        """Evictable slots, next victim first, without copying the order (the caller does
+        not change the pool while it iterates)."""
+        return iter(self._lru)
 
     def eviction_order(self) -> list[int]:
         """Evictable slots, next victim first (tests, stats)."""

@@ -183,6 +183,10 @@ class _SpillIO:
             ok = False
             if not failed:
                 try:
+                    # The checksum is taken here, off the decode's thread (zlib lets go of the
+                    # GIL), from the very bytes written; a read needs the page clean, so it
+                    # finds the checksum that _written records with the page's version.
+                    crc = zlib.crc32(data)
                     write_all(self.fd, data, offset)
                     ok = True
                 except OSError as e:
@@ -192,7 +196,7 @@ class _SpillIO:
             with self.cond:
                 self.jobs.popleft()
                 if ok:
-                    region._written(page, version)
+                    region._written(page, version, crc)
                     self.stats["writes"] += 1
                     self.stats["write_bytes"] += len(data)
                 self.cond.notify_all()
@@ -296,7 +300,7 @@ class SpillRegion:
         self.version: dict[int, int] = {}  # page -> version of its current contents
         self.done: dict[int, int] = {}  # page -> version known to be on disk
         self.pending: dict[int, int] = {}  # page -> version submitted
-        self.crc: dict[int, tuple[int, int]] = {}  # page -> (version, crc32)
+        self.crc: dict[int, int] = {}  # page -> crc32 of its version on disk (done[page])
         self.shape: tuple | None = None  # (k shape, v shape, numpy dtype) of one page
         self.page_bytes = 0
         self.n_written = 0
@@ -312,8 +316,12 @@ class SpillRegion:
 
     def is_clean(self, page: int) -> bool:
         with self.io.cond:
-            v = self.version.get(page)
-            return v is not None and self.done.get(page) == v
+            return self._clean(page)
+
+    def _clean(self, page: int) -> bool:
+        # under io.cond
+        v = self.version.get(page)
+        return v is not None and self.done.get(page) == v
 
     def unqueued(self, pages: list[int]) -> list[int]:
         """Those of `pages` neither on disk nor queued in their current version (one lock)."""
@@ -325,11 +333,12 @@ class SpillRegion:
                     out.append(page)
             return out
 
-    def _written(self, page: int, version: int) -> None:
+    def _written(self, page: int, version: int, crc: int) -> None:
         # writer thread, under io.cond: a stale version (rewound meanwhile) does not count
         self.n_written += 1
         if self.version.get(page) == version:
             self.done[page] = version
+            self.crc[page] = crc
 
     def forget(self, first_page: int) -> None:
         """Pages from first_page on are gone (truncated or reset)."""
@@ -366,7 +375,6 @@ class SpillRegion:
             if version is None or self.pending.get(page) == version:
                 return
             self.pending[page] = version
-            self.crc[page] = (version, zlib.crc32(data))
         self.io.submit((self, page, version, self._offset(page), data))
 
     def ensure_written(self, page: int, k: np.ndarray, v: np.ndarray) -> bool:
@@ -394,15 +402,17 @@ class SpillRegion:
                 runs[-1].append(p)
             else:
                 runs.append([p])
+        with self.io.cond:  # one lock for all: each page on disk in its current version
+            crcs = {p: self.crc[p] for p in order if self._clean(p)}
+        for p in order:
+            if p not in crcs:
+                raise SpillError(f"KV page {p} is not in the spill file")  # internal
         for run in runs:
-            for p in run:
-                if not self.is_clean(p):
-                    raise SpillError(f"KV page {p} is not in the spill file")  # internal
-            data = self.io.read(len(run) * self.page_bytes, self._offset(run[0]))
+            # a memoryview: pages are sliced out of the run's bytes without copies
+            data = memoryview(self.io.read(len(run) * self.page_bytes, self._offset(run[0])))
             for i, p in enumerate(run):
                 raw = data[i * self.page_bytes : (i + 1) * self.page_bytes]
-                version, crc = self.crc[p]
-                if zlib.crc32(raw) != crc:
+                if zlib.crc32(raw) != crcs[p]:
                     self.io.fail(
                         OSError(errno.EIO, f"page {p} fails its checksum"), "read corrupt data"
                     )

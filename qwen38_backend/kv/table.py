@@ -60,6 +60,8 @@ class PageTable:
     @property
     def identity(self) -> bool:
         """Every page resident with table[i] == i: rows are plain slices of the pool."""
+        if self.n_spilled:
+            return False  # no scan of the whole table on every spilled step
         if self._identity is None:  # decided when asked: a decode step evicts many times
             self._identity = self.slots == list(range(len(self.slots)))
         return self._identity
@@ -71,10 +73,14 @@ class PageTable:
         return self._array
 
     def rows(self, start: int, end: int) -> mx.array:
-        """Pool row of each position in [start, end) (all of whose pages are resident)."""
+        """Pool row of each position in [start, end) (all of whose pages are resident).
+        Only the spanned pages' slots go to the device: a decode step's write spans one page,
+        and the whole table is uploaded again after every change (each spilled step)."""
         P = self.pool.page_tokens
+        first = start // P
+        slots = mx.array(self.slots[first : -(-end // P)], dtype=mx.int32)
         pos = mx.arange(start, end)
-        return self.array()[pos // P] * P + pos % P
+        return slots[pos // P - first] * P + pos % P
 
     def resident_slots(self) -> list[int]:
         return [s for s in self.slots if s != SPILLED]
@@ -136,10 +142,13 @@ class PageTable:
     def place(self, pages: list[int], slots: list[int]) -> None:
         """Fetched pages now live in `slots` (sealed ones become evictable again)."""
         for page, slot in zip(pages, slots, strict=True):
+            if self.slots[page] == SPILLED:
+                self.n_spilled -= 1  # counted, not recounted: the table has thousands of pages
             self.slots[page] = slot
             if page < self.n_sealed:
                 self.pool.seal(slot, self, page)
-        self._changed()
+        self._array = None
+        self._identity = None
 
     # ----- truncation ----------------------------------------------------------------------
     def truncate(self, n_pages: int, n_sealed: int) -> None:
