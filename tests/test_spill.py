@@ -153,6 +153,25 @@ def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path):
     assert spilled.table.n_spilled > 0
 
 
+def test_a_step_without_misses_refreshes_its_selection_without_pins(tmp_path):
+    k, v = rows(120, seed=1)
+    store = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, pool_pages=8,
+                    spill=SpillFile(tmp_path))  # fmt: skip
+    fill(store, k, v)
+    q = mx.array(np.random.default_rng(5).normal(size=(1, 4, 1, 8)).astype(np.float32) * 3)
+    kn = mx.zeros((1, 2, 1, 8))
+    mx.eval(store.attend(q, kn, kn, 0.35))  # fetches what it misses
+    fetched = store.stats["pages_fetched"]
+    pages = np.array(store.select(q[0, :, 0, :], store.selection_size()[1]))[0].tolist()
+    sealed = [store.table.slots[p] for p in pages if p < store.table.n_sealed]
+    others = [s for s in store.pool.eviction_order() if s not in sealed]
+    store.pool.touch(others)  # the selection is now the least recently used
+    mx.eval(store.attend(q, kn, kn, 0.35))  # the same selection, all resident
+    assert store.stats["pages_fetched"] == fetched
+    assert store.pool.eviction_order()[-len(sealed) :] == sealed  # used: most recent again
+    assert not store.pool._pins
+
+
 def test_decode_evictions_find_pages_already_written(tmp_path, monkeypatch):
     """A fetch evicts pages; the next selection writes the reserve behind again, so a decode
     step's evictions find pages already on disk instead of writing them while it waits."""
@@ -353,6 +372,15 @@ def test_read_errors_and_corrupt_pages_are_typed_errors(tmp_path, monkeypatch):
         store._dense_kv()
     with pytest.raises(SpillError):  # recorded: every later read raises it too
         store.table.spill.read([1])
+    store.restore({})
+    fill(store, k, v)
+    # One page in the middle of a run read at once fails its own checksum.
+    assert store.table.slots[:8] == [SPILLED] * 8
+    with open(path, "r+b") as f:
+        f.seek(store.table.spill._offset(5) + 11)
+        f.write(b"\x01\x02")
+    with pytest.raises(SpillError, match="page 5 fails its checksum"):
+        store.table.spill.read(list(range(8)))
     store.restore({})
     fill(store, k, v)
 

@@ -512,8 +512,8 @@ class PagedKV:
     def _resident_selection(self, pages: mx.array) -> tuple[list[int], np.ndarray]:
         """Make every selected page resident: pin the resident ones, fetch the misses (the
         pins keep those allocations from evicting the selection). Returns the pinned slots
-        and the slot of each entry of `pages` (a host array of its shape: the caller gathers
-        through it instead of uploading the whole table, which changed)."""
+        (none when nothing missed) and the slot of each entry of `pages` (a host array of its
+        shape: the caller gathers through it instead of uploading the whole table)."""
         behind = []
         if self._fetched and self._fetched >= self._behind_reserve() // 2:
             behind, self._fetched = self._behind_pages(), 0
@@ -527,17 +527,20 @@ class PagedKV:
         wanted_slots = np.array([slots[p] for p in wanted.tolist()], dtype=np.int32)
         missed = wanted_slots == SPILLED
         resident = wanted_slots[~missed].tolist()
+        if not missed.any():
+            # Nothing allocates before the caller's gather, so nothing needs pinning: only
+            # the recency that unpinning would give (the usual step of a real model).
+            self.pool.touch(resident)
+            return [], wanted_slots[np.searchsorted(wanted, selected)]
         self.pool.pin(resident)
-        if missed.any():
-            try:
-                fetched = self._fetch(wanted[missed].tolist())
-            except (SpillError, AdmissionError):
-                self.pool.unpin(resident)
-                raise
-            self.pool.pin(fetched)
-            resident += fetched
-            wanted_slots[missed] = fetched
-        return resident, wanted_slots[np.searchsorted(wanted, selected)]
+        try:
+            fetched = self._fetch(wanted[missed].tolist())
+        except (SpillError, AdmissionError):
+            self.pool.unpin(resident)
+            raise
+        self.pool.pin(fetched)
+        wanted_slots[missed] = fetched
+        return resident + fetched, wanted_slots[np.searchsorted(wanted, selected)]
 
     def _attend_selected(self, q: mx.array, scale: float, n_pages: int, n_sel: int) -> mx.array:
         P = self.page_tokens
