@@ -202,25 +202,11 @@ def gdn_decode_rows(
     )
 
 
-def gdn_decode_step(
-    qkv: mx.array,
-    z: mx.array,
-    b: mx.array,
-    a: mx.array,
-    hist: mx.array,
-    conv_w: mx.array,
-    A_log: mx.array,
-    dt_bias: mx.array,
-    S: mx.array,
-    norm_w: mx.array,
-    spec: CoreSpec,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Same arguments and results as `gated_delta.gdn_core` for T tokens (the state after
-    the last): `gdn_decode_rows` without the per-row states."""
-    out, hist_out, states = gdn_decode_rows(
-        qkv, z, b, a, hist, conv_w, A_log, dt_bias, S, norm_w, spec
-    )
-    return out, hist_out, states[-1:].reshape(S.shape)
+def gdn_decode_step(*operands: mx.array, spec: CoreSpec) -> tuple[mx.array, mx.array, mx.array]:
+    """`gated_delta.gdn_core`'s operands and results for T tokens (the state after the last):
+    `gdn_decode_rows` without the per-row states."""
+    out, hist_out, states = gdn_decode_rows(*operands, spec=spec)
+    return out, hist_out, states[-1:].reshape(states.shape[1:])  # a slice: no gather copy
 
 
 def supported(spec: CoreSpec) -> bool:
