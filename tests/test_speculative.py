@@ -513,6 +513,19 @@ def test_throttle_pauses_losing_drafts_and_doubles():
     assert t.pauses == 2 and t.resume_at == 40 + 2 * speculative.FIRST_PAUSE
 
 
+def test_gpu_round_costs_pause_drafts_that_win_only_on_the_cpu():
+    """Rounds of 3 rows keeping 1.75 tokens each (k 2 at acceptance 0.5) win against plain
+    steps on the CPU and lose on the H200, where a round waits for its tokens while plain
+    steps pipeline (measured: speculative.verify_cost): the throttle pauses them there."""
+    cpu, gpu = Throttle(), Throttle()
+    for i in range(speculative.WINDOW):
+        cpu.record(i, 1.75 - speculative.verify_cost(3, gpu=False))
+        gpu.record(i, 1.75 - speculative.verify_cost(3, gpu=True))
+    assert cpu.pauses == 0 and gpu.pauses == 1
+    assert speculative.verify_cost(1, gpu=True) == 1.0
+    assert speculative.verify_cost(3) == speculative.verify_cost(3, gpu=False)  # this CPU
+
+
 def test_always_wrong_drafts_stop_being_drafted(dense, monkeypatch):
     use_drafts(monkeypatch, lambda tokens, k: [1] * k)
     prompt = [3, 4, 5]
