@@ -132,11 +132,12 @@ def test_store_spills_and_reads_back(tmp_path):
     assert not spill.path.exists()
 
 
-def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path):
+@pytest.mark.parametrize("shared", [True, False])
+def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path, shared):
     k, v = rows(120, seed=1)
     spilled = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, pool_pages=8,
-                      spill=SpillFile(tmp_path))  # fmt: skip
-    resident = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P)
+                      spill=SpillFile(tmp_path), shared=shared)  # fmt: skip
+    resident = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, shared=shared)
     fill(spilled, k, v)
     fill(resident, k, v)
     rng = np.random.default_rng(5)

@@ -552,8 +552,8 @@ class PagedKV:
         if self.profile:
             mx.eval(pages)
             t1 = time.perf_counter()
-        if self.table.n_spilled:
-            pinned, host_slots = self._resident_selection(pages)
+        if self.table.n_spilled:  # (a shared selection's rows are one row broadcast)
+            pinned, host_slots = self._resident_selection(pages[:1] if self.shared else pages)
             slots = mx.array(host_slots)
         else:
             pinned = []
