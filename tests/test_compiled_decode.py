@@ -98,7 +98,7 @@ def detour_then_decode(net, ids: list[int], steps: int, factory) -> np.ndarray:
 
 
 def compiled_methods(module) -> set[str]:
-    return {method for method, _ in module.__dict__.get("_compiled_methods", {})}
+    return {key[0] for key in module.__dict__.get("_compiled_methods", {})}  # (method, ...)
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -41,23 +41,29 @@ class GatedDeltaNetState(Replayable):
         self.conv: mx.array | None = None
         self.recurrent: mx.array | None = None
         self.length = 0
-        self._rows: tuple[list[mx.array], list[mx.array]] | None = None
+        self._rows: tuple[mx.array, mx.array, mx.array] | None = None
 
-    def advance(self, convs: list[mx.array], recurrents: list[mx.array]) -> None:
-        """The states after each row of a step: the last becomes the state; while recording
-        (a speculative verify) all are kept, so a rollback to any row costs nothing."""
-        self.conv, self.recurrent = convs[-1], recurrents[-1]
-        self.length += len(convs)
+    def advance(self, last: mx.array, inputs: mx.array, states: mx.array) -> None:
+        """After a step of T rows (GatedDeltaNet.step): `last` the conv history after the last
+        row, `inputs` the conv inputs [history; rows] for T > 1 (the history after row t is
+        its rows t+1 .. t+K-1), `states` [T, Hv, Dv, Dk] the recurrent state after each row.
+        While recording (a speculative verify) they are kept, so a rollback to any row is a
+        lookup; nothing is sliced per row unless a rollback needs it."""
+        rows = states.shape[0]
+        self.conv, self.recurrent = last, _row(states, rows - 1)
+        self.length += rows
         if self.recording:
-            self._rows = (convs, recurrents)
+            self._rows = (last, inputs, states)
 
     def replay(self, n: int) -> None:
         """After a restore to the recorded step's start: the state after its first n rows."""
         if self._rows is None:
             super().replay(n)
             return
-        convs, recurrents = self._rows
-        self.conv, self.recurrent = convs[n - 1], recurrents[n - 1]
+        last, inputs, states = self._rows
+        rows = states.shape[0]
+        self.conv = last if n == rows else inputs[n : n + inputs.shape[0] - rows]
+        self.recurrent = _row(states, n - 1)
         self.length += n
 
     def set_record(self, on: bool) -> None:
@@ -208,8 +214,8 @@ class GatedDeltaNet(nn.Module):
         """Few tokens (decode, MTP verify): the one-token core row after row."""
         conv, recurrent = self.initial_state(state, x.dtype)
         self.prepare_decode(x.dtype)
-        out, convs, recurrents = self.step(x, conv, recurrent)
-        state.advance(convs, recurrents)
+        out, *rows = self.step(x, conv, recurrent)
+        state.advance(*rows)
         return out
 
     def initial_state(self, state: GatedDeltaNetState, dtype: mx.Dtype):
@@ -230,10 +236,12 @@ class GatedDeltaNet(nn.Module):
         self._kernel_checked = str(dtype)
 
     def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
-        """Pure form of the few-token path: (output [T, hidden], the conv histories and the
-        recurrent states after each row). Row i is what a one-row step at its position
-        computes: the CUDA kernel (where it passed its probe) runs the rows one after another
-        in one launch, the same code for any T; elsewhere the one-token core runs per row."""
+        """Pure form of the few-token path: (output [T, hidden], then what
+        GatedDeltaNetState.advance takes: the conv history after the last row, the conv
+        inputs [history; rows] (T > 1; else the history), the recurrent state after each row
+        [T, Hv, Dv, Dk]). Row i is what a one-row step at its position computes: the CUDA
+        kernel (where it passed its probe) runs the rows one after another in one launch, the
+        same code for any T; elsewhere the one-token core runs per row."""
         spec = self._core_spec()
         weights = (self.conv1d.weight[:, :, 0].astype(x.dtype), self.A_log, self.dt_bias)
         qkv, z, b, a = self._project(x)
@@ -242,24 +250,21 @@ class GatedDeltaNet(nn.Module):
             o, last, states = _kernel_module().gdn_decode_rows(
                 qkv, z, b, a, conv, *weights, recurrent, self.norm.weight, spec=spec
             )
-            recurrents = [states[t : t + 1].reshape(recurrent.shape) for t in range(T)]
-            # history after row t: the newest K-1 inputs of [history; rows]; exact copies
-            xp = mx.concatenate([conv, qkv], axis=0) if T > 1 else None
-            K1 = conv.shape[0]
-            convs = [xp[t + 1 : t + 1 + K1] for t in range(T - 1)] + [last]
-            return project(self.out_proj, o), convs, recurrents
-        core = decode_core(spec)
-        outs, convs, recurrents = [], [], []
-        for t in range(T):
-            row = slice(t, t + 1)
-            o, conv, recurrent = core(
-                qkv[row], z[row], b[row], a[row], conv, *weights, recurrent, self.norm.weight
-            )
-            outs.append(o)
-            convs.append(conv)
-            recurrents.append(recurrent)
-        o = outs[0] if T == 1 else mx.concatenate(outs, axis=0)
-        return project(self.out_proj, o), convs, recurrents
+        else:
+            core = decode_core(spec)
+            outs, rows = [], []
+            last = conv
+            for t in range(T):
+                row = slice(t, t + 1)
+                o, last, recurrent = core(
+                    qkv[row], z[row], b[row], a[row], last, *weights, recurrent, self.norm.weight
+                )
+                outs.append(o)
+                rows.append(recurrent)
+            o = outs[0] if T == 1 else mx.concatenate(outs, axis=0)
+            states = mx.stack(rows)
+        inputs = mx.concatenate([conv, qkv], axis=0) if T > 1 else last
+        return project(self.out_proj, o), last, inputs, states
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
@@ -316,13 +321,18 @@ class GatedDeltaNet(nn.Module):
 def decode_step(block: nn.Module, h: mx.array, state: GatedDeltaNetState) -> mx.array:
     """A step of a few rows through a block whose `_linear_step(h, conv, recurrent)` runs its
     Gated DeltaNet mixer `block.linear_attn` (and whatever surrounds it) as one compiled
-    graph, returning (h, conv histories, recurrent states per row); advances `state`."""
+    graph, returning (h, *what GatedDeltaNetState.advance takes); advances `state`."""
     mixer = block.linear_attn
     conv, recurrent = mixer.initial_state(state, h.dtype)
     mixer.prepare_decode(h.dtype)  # outside the trace: the kernel probe runs ops
-    h, convs, recurrents = compiled(block, "_linear_step")(h, conv, recurrent)
-    state.advance(convs, recurrents)
+    h, *rows = compiled(block, "_linear_step")(h, conv, recurrent)
+    state.advance(*rows)
     return h
+
+
+def _row(states: mx.array, i: int) -> mx.array:
+    """Row i of [T, ...] as a slice (integer indexing would gather a copy)."""
+    return states[i : i + 1].reshape(states.shape[1:])
 
 
 def _kernel_module():

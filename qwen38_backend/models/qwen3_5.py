@@ -82,9 +82,9 @@ class Qwen35Block(PreNormBlock):
         return decode_step(self, h, state)
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
-        out, convs, recurrents = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)
+        out, *rows = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), convs, recurrents
+        return h + self.mlp(self.post_attention_layernorm(h)), *rows
 
 
 class Qwen35Body(nn.Module):

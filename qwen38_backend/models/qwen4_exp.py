@@ -202,12 +202,12 @@ class Qwen4ExpBlock(nn.Module):
         new: list[mx.array] = []
 
         def mixer(x: mx.array) -> mx.array:
-            out, convs, recurrents = self.linear_attn.step(x, conv, recurrent)
-            new.extend((convs, recurrents))
+            out, *rows = self.linear_attn.step(x, conv, recurrent)
+            new.extend(rows)
             return out
 
         R = self.attn_hyper_connection(R, mixer)
-        return self.mlp_hyper_connection(R, self.mlp), new[0], new[1]
+        return self.mlp_hyper_connection(R, self.mlp), *new
 
 
 class Qwen4ExpBody(nn.Module):
