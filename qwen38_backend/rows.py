@@ -36,22 +36,29 @@ GPU_PAD_ROWS = 8  # products of fewer rows are padded to this many on a GPU (mod
 
 
 _UNPADDED: ContextVar[bool] = ContextVar("qwen38_unpadded", default=False)
-# the dtype whose few-row dense products run through kernels/rows_matmul.py in this forward
-# (decided by `prepare`, outside any compiled trace: the kernel's probe runs ops)
-_KERNEL_DTYPE: ContextVar[mx.Dtype | None] = ContextVar("qwen38_rows_kernel", default=None)
+# How this forward's few-row products run, decided once by `prepare` (outside any compiled
+# trace: the kernel's probe runs ops): (rows a product is padded to, the dtype whose dense
+# step products run through kernels/rows_matmul.py or None).
+_PLAN: ContextVar[tuple[int, mx.Dtype | None]] = ContextVar("qwen38_rows", default=(1, None))
 
 
 def prepare(dtype: mx.Dtype) -> None:
     """Decide how this forward's few-row products run (a family's forward calls it first):
-    through the row-invariant kernel where it runs and passed its probe, else padded."""
+    through the row-invariant kernel where it runs and passed its probe, else padded to
+    pad_rows() (read here once, not per product)."""
     kernels = _kernel_module()
     usable = kernels is not None and kernels.available(dtype)
-    _KERNEL_DTYPE.set(dtype if usable else None)
+    _PLAN.set((_device_pad(), dtype if usable else None))
 
 
 def kernel_dtype() -> mx.Dtype | None:
     """The dtype whose dense step products use the row-invariant kernel now (None: none)."""
-    return _KERNEL_DTYPE.get()
+    return _PLAN.get()[1]
+
+
+def forward_pad() -> int:
+    """pad_rows() as `prepare` read it for this forward (unpadded() still applies)."""
+    return 1 if _UNPADDED.get() else _PLAN.get()[0]
 
 
 @contextmanager
@@ -69,8 +76,10 @@ def unpadded() -> Iterator[None]:
 def pad_rows() -> int:
     """Rows a projection of fewer rows is padded to: 1 (none) on the CPU, GPU_PAD_ROWS on a
     GPU. QWEN38_PAD_ROWS overrides it (tests run the padded path on the CPU)."""
-    if _UNPADDED.get():
-        return 1
+    return 1 if _UNPADDED.get() else _device_pad()
+
+
+def _device_pad() -> int:
     forced = os.environ.get("QWEN38_PAD_ROWS")
     if forced:
         return int(forced)
@@ -89,7 +98,7 @@ def exact_rows() -> int:
 def project(linear: nn.Module, x: mx.array) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
     where `prepare` chose it, else fewer than pad_rows() rows padded (module docstring)."""
-    kernel_for = _KERNEL_DTYPE.get()
+    pad, kernel_for = _PLAN.get()
     if kernel_for is not None and x.shape[0] <= STEP_MAX_ROWS and x.dtype == kernel_for:
         weight, bias = _dense_weight(linear)
         flat = x.reshape(-1, x.shape[-1])
@@ -98,7 +107,7 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
             y = kernels.rows_matmul(flat, weight)
             y = y.reshape(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
-    rows, pad = x.shape[0], pad_rows()
+    rows, pad = x.shape[0], 1 if _UNPADDED.get() else pad
     if rows >= pad:
         return linear(x)
     return linear(mx.pad(x, [(0, pad - rows)] + [(0, 0)] * (x.ndim - 1)))[:rows]

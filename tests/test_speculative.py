@@ -690,11 +690,14 @@ def test_few_row_products_are_padded(monkeypatch):
 
     linear = Counted(6, 5)
     x = mx.random.normal((3, 6), key=mx.random.key(0))
-    assert rows.pad_rows() == 1  # the CPU pads nothing
+    rows.prepare(mx.float32)  # a forward decides its padding once
+    assert rows.pad_rows() == 1 and rows.forward_pad() == 1  # the CPU pads nothing
     want = rows.project(linear, x)
     monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
+    assert rows.project(linear, x).shape == (3, 5) and seen[-1] == 3  # this forward's plan
+    rows.prepare(mx.float32)
     got = rows.project(linear, x)
-    assert seen == [3, 8] and got.shape == (3, 5)
+    assert seen == [3, 3, 8] and got.shape == (3, 5)
     assert mx.array_equal(got, want).item()
     assert rows.project(linear, mx.zeros((9, 6))).shape == (9, 5) and seen[-1] == 9
     assert rows.exact_rows() == 8
