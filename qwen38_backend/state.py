@@ -8,6 +8,7 @@ whose parts disagree about how many tokens they hold.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -160,13 +161,16 @@ class SequenceState:
         head = self.mtp.nbytes() if self.mtp is not None else 0
         return sum(layer.nbytes() for layer in self.layers) + head
 
-    def eager_layers(self, rows: int) -> bool:
-        """Whether a forward of `rows` positions hands each layer to the device as soon as it
-        is built (mx.async_eval), so the device runs a layer while the host builds the next
-        instead of idling until the whole graph is built: when a layer reads device results
-        back part-way through (`reads_back`), and for a speculative verify (a step of
-        several rows), which nothing else overlaps (plain steps overlap the next step)."""
-        return 1 < rows <= STEP_MAX_ROWS or self.reads_back()
+    def eager_layers(self, rows: int) -> int:
+        """Every how many layers a forward of `rows` positions hands what it built to the
+        device (mx.async_eval; 0: never), so the device runs layers while the host builds
+        the next instead of idling until the whole graph is built: when a layer reads device
+        results back part-way through (`reads_back`), and for a speculative verify (a step of
+        several rows), which nothing else overlaps (plain steps overlap the next step). Every
+        layer unless QWEN38_EAGER_LAYERS says otherwise (each hand-over costs host time)."""
+        if not (1 < rows <= STEP_MAX_ROWS or self.reads_back()):
+            return 0
+        return max(int(os.environ.get("QWEN38_EAGER_LAYERS", "1")), 1)
 
     def reads_back(self) -> bool:
         """Whether some layer reads device results on the host part-way through a step (a

@@ -62,9 +62,9 @@ class DenseModel(CausalLM):
         h = self.model.embed_tokens(ids)
         rows.prepare(h.dtype)
         eager = state.eager_layers(ids.shape[0])
-        for layer, kv in zip(self.model.layers, state.layers, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.model.layers, state.layers, strict=True)):
             h = layer(h, kv, offset)
-            if eager:
+            if eager and (i + 1) % eager == 0:
                 mx.async_eval(h)
         return self.model.norm(h)
 

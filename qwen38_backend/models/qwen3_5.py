@@ -115,9 +115,9 @@ class Qwen35Model(CausalLM):
         h = self.model.embed_tokens(ids)
         rows.prepare(h.dtype)
         eager = state.eager_layers(ids.shape[0])
-        for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
+        for i, (layer, layer_state) in enumerate(zip(self.model.layers, state.layers, strict=True)):
             h = layer(h, layer_state, offset)
-            if eager:
+            if eager and (i + 1) % eager == 0:
                 mx.async_eval(h)
         return self.model.norm(h)
 

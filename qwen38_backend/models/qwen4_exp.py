@@ -251,9 +251,10 @@ class Qwen4ExpModel(CausalLM):
         rows.prepare(R.dtype)
         eager = state.eager_layers(ids.shape[0])
         with unpadded():  # see logits_from_residual
-            for layer, layer_state in zip(self.model.layers, state.layers, strict=True):
+            layers = zip(self.model.layers, state.layers, strict=True)
+            for i, (layer, layer_state) in enumerate(layers):
                 R = layer(R, ids, layer_state, offset)
-                if eager:
+                if eager and (i + 1) % eager == 0:
                     mx.async_eval(R)
         return R
 
