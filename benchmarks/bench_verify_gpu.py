@@ -88,6 +88,14 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
         runs = [decode(**options) for _ in range(args.e2e_runs)]
         return statistics.median(r[2] for r in runs), runs[-1][1], runs[-1][0]
 
+    if args.eager_layers:  # the same runs per hand-over stride (state.eager_layers)
+        out = {}
+        strides, args.eager_layers = args.eager_layers, None
+        for stride in strides:
+            os.environ["QWEN38_EAGER_LAYERS"] = str(stride)
+            out[str(stride)] = end_to_end(model, ids, args, vocab)
+        del os.environ["QWEN38_EAGER_LAYERS"]
+        return {"by_eager_layers": out}
     plain_rate, _, plain = rate(draft="off")
     with one_row_products():
         one_row_rate = rate(draft="off")[0]
@@ -148,6 +156,12 @@ def main() -> None:
     ap.add_argument("--e2e", type=int, default=0, help="tokens decoded end to end (0: skip)")
     ap.add_argument("--e2e-runs", type=int, default=3)
     ap.add_argument("--profile-out", default=None)
+    ap.add_argument(
+        "--eager-layers",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=None,
+        help="end to end once per verify hand-over stride (QWEN38_EAGER_LAYERS)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
