@@ -7,7 +7,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +19,7 @@ from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
 from .sampling import Sampler, SamplingParams
 from .session import Session
 from .speculative import DraftOptions
-from .state import SequenceState
+from .state import SequenceState, collect_arrays
 
 
 def state_arrays(state: SequenceState) -> list[mx.array]:
@@ -29,25 +28,8 @@ def state_arrays(state: SequenceState) -> list[mx.array]:
     out: list[mx.array] = []
     seen: set[int] = set()
     for layer in state.layers:
-        _collect_arrays(layer, out, seen)
+        collect_arrays(layer, out, seen)
     return out
-
-
-def _collect_arrays(value: Any, out: list[mx.array], seen: set[int]) -> None:
-    # a module-level function, not a closure that calls itself: such a closure is a reference
-    # cycle, which kept every collected array (old KV buffers too) alive until the next
-    # garbage collection
-    if isinstance(value, mx.array):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _collect_arrays(v, out, seen)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect_arrays(v, out, seen)
-    elif hasattr(value, "__dict__") and id(value) not in seen:
-        seen.add(id(value))
-        _collect_arrays(vars(value), out, seen)
 
 
 def check_cancel(cancel: threading.Event | None) -> None:

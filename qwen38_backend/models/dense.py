@@ -64,8 +64,7 @@ class DenseModel(CausalLM):
         eager = state.eager_layers(ids.shape[0])
         for i, (layer, kv) in enumerate(zip(self.model.layers, state.layers, strict=True)):
             h = layer(h, kv, offset)
-            if eager and (i + 1) % eager == 0:
-                mx.async_eval(h)
+            state.layer_built(i, h, ids.shape[0], eager)
         return self.model.norm(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

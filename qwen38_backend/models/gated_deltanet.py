@@ -173,7 +173,9 @@ class GatedDeltaNet(nn.Module):
         if hist is None:
             hist = mx.zeros((K - 1, x.shape[1]), dtype=x.dtype)
         xp = mx.concatenate([hist.astype(x.dtype), x], axis=0)
-        state.conv = xp[-(K - 1) :]
+        # a copy: a slice would be a view that keeps the whole chunk's xp [T + K - 1, C]
+        # alive in the state until the next chunk (every layer's, at a prefill's peak)
+        state.conv = mx.contiguous(xp[-(K - 1) :])
         w = self.conv1d.weight[:, :, 0].astype(x.dtype)  # [C, K]
         T = x.shape[0]
         out = xp[0:T] * w[:, 0]

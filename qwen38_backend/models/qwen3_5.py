@@ -117,8 +117,7 @@ class Qwen35Model(CausalLM):
         eager = state.eager_layers(ids.shape[0])
         for i, (layer, layer_state) in enumerate(zip(self.model.layers, state.layers, strict=True)):
             h = layer(h, layer_state, offset)
-            if eager and (i + 1) % eager == 0:
-                mx.async_eval(h)
+            state.layer_built(i, h, ids.shape[0], eager)
         return self.model.norm(h)
 
     # ----- MTP -----------------------------------------------------------------------------

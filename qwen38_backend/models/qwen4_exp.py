@@ -254,8 +254,7 @@ class Qwen4ExpModel(CausalLM):
             layers = zip(self.model.layers, state.layers, strict=True)
             for i, (layer, layer_state) in enumerate(layers):
                 R = layer(R, ids, layer_state, offset)
-                if eager and (i + 1) % eager == 0:
-                    mx.async_eval(R)
+                state.layer_built(i, R, ids.shape[0], eager)
         return R
 
     def hidden(self, ids: mx.array, state: SequenceState) -> mx.array:

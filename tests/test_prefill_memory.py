@@ -1,0 +1,77 @@
+"""Prefill memory (issue 12): what a chunk needs above weights + state is one layer's
+activations, not a pile that grows with the number of layers, and the state pins nothing."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from qwen38_backend.engine import Model, state_arrays
+from qwen38_backend.loading import Weights
+from qwen38_backend.models import build_model
+from qwen38_backend.testing.tiny_qwen3_5 import text_config
+
+CHUNK = 256
+# wide enough that a chunk's activations dwarf the fixed costs (weights are not measured)
+DIMS = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    mrope_section=[3, 3, 2],  # 16 rotary dims of 64
+)
+
+
+def qwen3_5_model(layers: int) -> Model:
+    tc = text_config("tiny", layers, mtp_num_hidden_layers=0, **DIMS)
+    config = {"model_type": "qwen3_5", "text_config": tc, "tie_word_embeddings": False}
+    net = build_model(config)
+    mx.eval(net.parameters())
+    weights = Weights(config=config, tensors={}, quantization={}, generation_config={})
+    return Model(net, weights, mx.float32, name="prefill-memory")
+
+
+def held_bytes(state) -> int:
+    """Bytes of the arrays the state holds (allocated capacity, not just its length)."""
+    return sum({id(a): a.nbytes for a in state_arrays(state)}.values())
+
+
+def prefill_memory(model: Model, chunks: int = 2) -> tuple[int, int]:
+    """(peak above weights + state, memory still held after it above weights + state)."""
+    ids = [(7 * i) % 500 + 3 for i in range(CHUNK * chunks)]
+    mx.eval(model.prefill(ids[:64], model.new_state(), chunk=64))  # warm-up
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    state = model.new_state()
+    logits = model.prefill(ids, state, chunk=CHUNK)
+    mx.eval(logits)
+    held = held_bytes(state) + logits.nbytes
+    return mx.get_peak_memory() - base - held, mx.get_active_memory() - base - held
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[int, tuple[int, int]]:
+    return {layers: prefill_memory(qwen3_5_model(layers)) for layers in (8, 16)}
+
+
+def test_state_pins_no_chunk_buffer(measured):
+    """A Gated DeltaNet's conv rows are a copy: a view would keep the chunk's whole conv
+    input [chunk + 3, conv channels] alive in the state, one per layer."""
+    conv_input = CHUNK * (2 * 4 * 32 + 8 * 32) * 4
+    for layers, (_, after) in measured.items():
+        assert after < conv_input // 4, (layers, after)
+
+
+def test_prefill_peak_does_not_grow_with_depth(measured):
+    """Each layer's output and new state are handed to the device as it is built: evaluated
+    with the whole chunk, every layer's state came last and kept its chunk-sized inputs
+    alive through all later layers."""
+    shallow, deep = measured[8][0], measured[16][0]
+    assert deep <= shallow * 1.1, (shallow, deep)
