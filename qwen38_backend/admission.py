@@ -30,7 +30,9 @@ config and the options alone (a config dict is enough: `qwen38 info MODEL --cont
   query_bytes / group_queries; the groups are evaluated one at a time).
 - ple_state: PLE conv rows and n-gram context ids.
 - mtp_reserve: the MTP head's own KV (and indexer keys) over the context, when MTP is on.
-- scratch: one prefill chunk's activations (widest layer output, fp32), the attention scores
+- scratch: one prefill chunk's activations (widest layer output, fp32; a Gated DeltaNet
+  block's chunked form where larger: models/gated_delta.py PREFILL_ROWS_LIVE; each layer is
+  handed to the device as it is built, so one layer's, not all of them), the attention scores
   of one chunk (one-shot against the context while small or not fused, else the blocked
   walk's few blocks: kv/blocked.py), and the last position's logits.
 
@@ -62,6 +64,7 @@ from .kv.policy import (
 )
 from .kv.pool import grown_capacity
 from .kv.quest import META_DTYPE, forced_pages
+from .models.gated_delta import PREFILL_ROWS_LIVE
 
 PLAN_OPTIONS = frozenset(
     {
@@ -513,6 +516,8 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     if getattr(cfg, "num_experts", 0):
         widths.append(2 * cfg.moe_intermediate_size * cfg.num_experts_per_tok)
     activ = t * (cfg.hidden_size + max(widths)) * 4 * 2  # input and output of the widest op
+    if n_lin:  # a Gated DeltaNet block's chunked form holds more (models/gated_delta.py)
+        activ = max(activ, t * PREFILL_ROWS_LIVE * hv * dv * 4)
     # QSA layers attend densely only while the context is within the budget (+ a tail)
     attn_ctx = min(context, cfg.indexer_budget + ratio + t) if qsa else context
     one_shot = 0 if fused else min(t * hq * attn_ctx * 4, ONE_SHOT_BYTES)

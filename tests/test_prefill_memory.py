@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from qwen38_backend.admission import memory_plan
 from qwen38_backend.engine import Model, state_arrays
 from qwen38_backend.loading import Weights
 from qwen38_backend.models import build_model
@@ -57,8 +58,13 @@ def prefill_memory(model: Model, chunks: int = 2) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[int, tuple[int, int]]:
-    return {layers: prefill_memory(qwen3_5_model(layers)) for layers in (8, 16)}
+def models() -> dict[int, Model]:
+    return {layers: qwen3_5_model(layers) for layers in (8, 16)}
+
+
+@pytest.fixture(scope="module")
+def measured(models) -> dict[int, tuple[int, int]]:
+    return {layers: prefill_memory(model) for layers, model in models.items()}
 
 
 def test_state_pins_no_chunk_buffer(measured):
@@ -75,3 +81,13 @@ def test_prefill_peak_does_not_grow_with_depth(measured):
     alive through all later layers."""
     shallow, deep = measured[8][0], measured[16][0]
     assert deep <= shallow * 1.1, (shallow, deep)
+
+
+def test_plan_scratch_matches_the_measured_peak(models, measured):
+    """Admission's scratch is what a chunk needs above weights + state: here the Gated
+    DeltaNet block's chunked form (PREFILL_ROWS_LIVE fp32 value rows per token) and the
+    one-shot attention scores of the CPU."""
+    for layers, model in models.items():
+        plan = memory_plan(model, 2 * CHUNK, prefill_chunk=CHUNK)["scratch"]
+        peak = measured[layers][0]
+        assert 0.75 * plan <= peak <= 1.25 * plan, (layers, peak, plan)

@@ -25,6 +25,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 CHUNK = 64
+# Peak of a Gated DeltaNet block over a prefill chunk, in fp32 rows of its value heads
+# (Hv x Dv x 4 bytes) per chunk token: the chunked form's [H, N, C, *] tensors (q, k, v
+# repeated to the value heads, u, w, q_dec, qk, k_tail, the outputs), all fp32 whatever the
+# model dtype. Measured on the CPU (benchmarks/prefill_peak_cpu.py): 22-23 at 27B dims in
+# fp32 and bf16 and at the test dims of tests/test_prefill_memory.py; admission plans with it.
+PREFILL_ROWS_LIVE = 23
 
 
 def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
