@@ -33,6 +33,9 @@ KV_CHOICES = [
     {"kv_paged": "on", "kv_page_tokens": 4, "kv_topk": 4096},
     {"kv_paged": "auto", "kv_page_tokens": 8, "kv_topk": 1024},
 ]
+# Drafting must not change a stream either: auto is the MTP head where the model has one
+# (tiny qwen3_5: random weights, so mostly rejected rounds and rollbacks), n-gram drafts for all.
+DRAFT_CHOICES = [{"draft": "off"}, {"draft": "auto"}, {"draft": "ngram", "draft_tokens": 3}]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +113,7 @@ def assert_same_stream(got: list[int], want: list[int], margins: list[float], wh
 
 
 def prompts(vocab: int, max_len: int):
-    """A list of operations: (kind, cut, extension, max_tokens, cache, kv, rewind)."""
+    """A list of operations: (kind, cut, extension, max_tokens, cache, kv, rewind, draft)."""
     op = st.tuples(
         st.sampled_from(["extend", "extend", "edit", "fresh"]),
         st.integers(0, 24),  # edit: tokens cut from the end of what is cached
@@ -119,6 +122,7 @@ def prompts(vocab: int, max_len: int):
         st.booleans(),
         st.integers(0, len(KV_CHOICES) - 1),
         st.integers(0, 3),
+        st.integers(0, len(DRAFT_CHOICES) - 1),
     )
     return st.lists(op, min_size=2, max_size=6)
 
@@ -128,7 +132,7 @@ def run_sequence(model, ops, max_window: int) -> None:
         store = PrefixStore(tmp)
         session = model.session(cache=store, admission=False)
         previous: list[int] = []
-        for n, (kind, cut, extra, max_tokens, cache, kv_index, rewind) in enumerate(ops):
+        for n, (kind, cut, extra, max_tokens, cache, kv_index, rewind, draft) in enumerate(ops):
             if kind == "extend":  # a follow-up: everything so far plus new tokens
                 ids = previous + extra
             elif kind == "edit":  # an earlier turn edited: a cut of what is cached, then new
@@ -139,7 +143,11 @@ def run_sequence(model, ops, max_window: int) -> None:
             kv = KV_CHOICES[kv_index]
             session.cache = cache
             with spy_tokens(model) as got:
-                events = list(session.generate(ids, max_tokens=max_tokens, stop_token_ids=[], **kv))
+                events = list(
+                    session.generate(
+                        ids, max_tokens=max_tokens, stop_token_ids=[], **kv, **DRAFT_CHOICES[draft]
+                    )
+                )
             assert events[-1].type == "done" and events[-1].usage["generated"] == len(got)
             want, margins = reference(model, ids, max_tokens, kv)
             assert_same_stream(got, want, margins, f"call {n} ({kind})")
