@@ -52,7 +52,7 @@ import mlx.core as mx
 
 from .config import model_family, text_config
 from .errors import AdmissionError, InvalidOptionError
-from .kv.blocked import BLOCK_TOKENS, ONE_SHOT_BYTES, SCORE_BLOCKS_LIVE
+from .kv.blocked import BLOCK_TOKENS, ONE_SHOT_BYTES, SCORE_BLOCKS_LIVE, walk_block
 from .kv.contiguous import ContiguousKV
 from .kv.policy import (
     AUTO_MIN_PAGES,
@@ -253,9 +253,9 @@ def default_prefill_chunk() -> int:
     """Tokens per prefill chunk: $QWEN38_PREFILL_CHUNK, else 2048 on CUDA, 512 on another GPU
     and 128 on the CPU. On the CPU throughput is the same (measured on the demo) and a chunk
     is what a cancel waits for; on the H200 a chunk re-reads all weights, and 2048 prefilled
-    27B dims ~2x faster at depth than 512 (benchmarks/results/h200/, README) for a walk
-    scratch of SCORE_BLOCKS_LIVE x chunk x block scores (3.6 GiB at 24 heads) that a
-    datacenter GPU holds; Metal machines share their RAM with the weights, so they keep 512."""
+    27B dims ~2x faster at depth than 512 (benchmarks/results/h200/, README); its walk
+    walks shorter blocks (kv/blocked.py walk_block: SCORE_BLOCKS_LIVE x 96 MiB of scores).
+    Metal machines share their RAM with the weights, so they keep 512."""
     env = os.environ.get("QWEN38_PREFILL_CHUNK", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -525,7 +525,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         one_shot = 0 if fused else t * hq * attn_ctx * 4
         walk = 0
     else:  # the blocked walk (every backend: its scores are plain ops)
-        walk = SCORE_BLOCKS_LIVE * t * hq * BLOCK_TOKENS * 4
+        walk = SCORE_BLOCKS_LIVE * t * hq * walk_block(hq, t) * 4
     scores = max(one_shot, walk)
     how_scores = "blocked walk" if walk else "fused" if fused else "one-shot"
     logits = cfg.vocab_size * 4

@@ -132,3 +132,46 @@ def test_blocked_prefill_equals_one_shot_qwen3_5(tmp_path, monkeypatch):
 
     model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path / "q", seed=5)))
     check_blocked_prefill(model.net, monkeypatch)
+
+
+def test_walk_block_keeps_one_blocks_scores_within_budget():
+    from qwen38_backend.kv.blocked import BLOCK_SCORE_BYTES, BLOCK_TOKENS, walk_block
+
+    # the engine's chunks at 27B's 24 query heads: 512 (Metal) keeps whole blocks; 2048
+    # (CUDA) walks 512-key blocks, 96 MiB of scores each instead of 384 MiB
+    assert walk_block(24, 512) == BLOCK_TOKENS
+    assert walk_block(24, 2048) == 512
+    for heads, rows, unit in [(24, 2048, 16), (64, 4096, 32), (8, 100, 1), (40, 3000, 64)]:
+        keys = walk_block(heads, rows, unit=unit)
+        assert keys % unit == 0 and 0 < keys <= BLOCK_TOKENS
+        assert heads * rows * keys * 4 <= BLOCK_SCORE_BYTES or keys <= 256
+
+
+@pytest.mark.parametrize("store", ["contiguous", "paged"])
+def test_long_chunk_walks_shorter_blocks_and_equals_one_shot(store, monkeypatch):
+    """A chunk whose block of scores would pass the budget walks shorter blocks (each
+    block the store hands over has the budgeted length), and equals one-shot attention."""
+    rng = np.random.default_rng(7)
+    hq, hkv, d, past, T = 4, 2, 8, 96, 24
+    monkeypatch.setattr(blocked_module, "ONE_SHOT_BYTES", 0)
+    monkeypatch.setattr(blocked_module, "MIN_BLOCK_TOKENS", 1)
+    # one block of 32 keys would hold 4 x 24 x 32 x 4 B of scores: allow half of that
+    monkeypatch.setattr(blocked_module, "BLOCK_SCORE_BYTES", hq * T * 16 * 4)
+    kv = ContiguousKV() if store == "contiguous" else PagedKV(page_tokens=8, budget=10**6)
+    kv.block_tokens = 32
+    keys, values = rand(rng, 1, hkv, past + T, d), rand(rng, 1, hkv, past + T, d)
+    q = rand(rng, 1, hq, past + T, d, scale=2)
+    mx.eval(kv.attend(q[:, :, :past], keys[:, :, :past], values[:, :, :past], 0.3))
+    seen = []
+    real = blocked_module.blocked_attention
+
+    def spy(q, blocks, k, v, scale):
+        blocks = list(blocks)
+        seen.extend(b[0].shape[2] for b in blocks)
+        return real(q, blocks, k, v, scale)
+
+    monkeypatch.setattr(blocked_module, "blocked_attention", spy)
+    out = kv.attend(q[:, :, past:], keys[:, :, past:], values[:, :, past:], 0.3)
+    assert seen == [16] * (past // 16)
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.3, mask="causal")
+    np.testing.assert_allclose(np.array(out), np.array(ref[:, :, past:]), rtol=1e-5, atol=1e-5)

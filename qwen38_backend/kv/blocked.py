@@ -14,13 +14,13 @@ The result equals one-shot softmax attention up to fp32 rounding, in any block o
 two matmuls run in the store's dtype: for a bf16 store, bf16 rounding of scores, as in the
 fused SDPA).
 
-Stores call `attend_past(q, past_len, blocks, k, v, scale)`: when the past fits one block
-(or the scores are small: ONE_SHOT_BYTES) it runs one `scaled_dot_product_attention` over
-[past + chunk] (short prompts keep the fused path); otherwise it runs the carry over
-`blocks`, an iterable of K/V blocks [1, Hkv, B, D]. A block may come with a third item
-`True` to say it is transient (read from the spill file): the carry is then evaluated
-after it, so the block's memory is freed before the next one is read instead of the lazy
-graph holding the whole past.
+Stores call `attend_past(q, past_len, blocks, k, v, scale, ...)`: when the past fits one
+block (or the scores are small: ONE_SHOT_BYTES) it runs one `scaled_dot_product_attention`
+over [past + chunk] (short prompts keep the fused path); otherwise it runs the carry over
+`blocks(keys per block)`, an iterable of K/V blocks [1, Hkv, B, D]. A block may come with
+a third item `True` to say it is transient (read from the spill file): the carry is then
+evaluated after it, so the block's memory is freed before the next one is read instead of
+the lazy graph holding the whole past.
 """
 
 from __future__ import annotations
@@ -29,9 +29,14 @@ from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
 
-# Keys per block of the walk. Scores of one block are [Hq, T, BLOCK] fp32: 2048 keys with a
-# 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
+# Keys per block of the walk, at most. Scores of one block are [Hq, T, block] fp32: 2048 keys
+# with a 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
 BLOCK_TOKENS = 2048
+# A longer chunk walks shorter blocks so one block's scores stay within this (a 2048-token
+# chunk: 512 keys, not 2048; the walk is bound by the scores' elementwise traffic, which
+# the block length does not change), but never below MIN_BLOCK_TOKENS keys.
+BLOCK_SCORE_BYTES = 96 << 20
+MIN_BLOCK_TOKENS = 256
 # One-shot attention also runs when its scores [Hq, T, past + T] fp32 stay this small: the
 # fused kernel is faster than the walk at short contexts, and the bound is still a constant.
 ONE_SHOT_BYTES = 128 << 20
@@ -43,6 +48,15 @@ EVAL_EVERY_BLOCKS = 4
 SCORE_BLOCKS_LIVE = 9
 
 Block = tuple[mx.array, mx.array] | tuple[mx.array, mx.array, bool]
+
+
+def walk_block(heads: int, rows: int, most: int = BLOCK_TOKENS, unit: int = 1) -> int:
+    """Keys per walk block for `rows` query rows of `heads` heads: at most `most`, one block's
+    fp32 scores within BLOCK_SCORE_BYTES when that leaves MIN_BLOCK_TOKENS, a multiple of
+    `unit` (a store's page)."""
+    fit = BLOCK_SCORE_BYTES // max(heads * rows * 4, 1)
+    keys = min(most, max(fit, MIN_BLOCK_TOKENS))
+    return max(keys // unit, 1) * unit
 
 
 def _first(s: mx.array, vb: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -126,22 +140,24 @@ def blocked_attention(
 def attend_past(
     q: mx.array,
     past_len: int,
-    blocks: Callable[[], Iterator[Block]],
+    blocks: Callable[[int], Iterator[Block]],
     k: mx.array,
     v: mx.array,
     scale: float,
     dense: Callable[[], tuple[mx.array, mx.array]],
     block_tokens: int = BLOCK_TOKENS,
+    unit: int = 1,
 ) -> mx.array:
     """A chunk's causal attention over past + chunk: fused one-shot when the past fits one
     block or its scores fit ONE_SHOT_BYTES (`dense()` gives K/V of past + chunk
-    [1, Hkv, past_len + T, D]), else blocked."""
+    [1, Hkv, past_len + T, D]), else blocked over `blocks(keys per block)` (walk_block: at
+    most `block_tokens`, a multiple of `unit`)."""
     _, hq, T, _ = q.shape
     if past_len <= block_tokens or hq * T * (past_len + T) * 4 <= ONE_SHOT_BYTES:
         keys, values = dense()
         mask = "causal" if q.shape[2] > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    return blocked_attention(q, blocks(), k, v, scale)
+    return blocked_attention(q, blocks(walk_block(hq, T, block_tokens, unit)), k, v, scale)
 
 
 def spans(length: int, block_tokens: int) -> Iterator[tuple[int, int]]:

@@ -69,8 +69,8 @@ class ContiguousKV:
         def dense() -> tuple[mx.array, mx.array]:
             return self.keys[..., : self.length, :], self.values[..., : self.length, :]
 
-        def blocks():
-            for a, b in spans(past, self.block_tokens):
+        def blocks(block: int):
+            for a, b in spans(past, block):
                 yield self.keys[..., a:b, :], self.values[..., a:b, :]
 
         if q.shape[2] <= STEP_MAX_ROWS:  # a step: each row as a one-token step (rows.py)

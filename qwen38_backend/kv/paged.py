@@ -452,9 +452,16 @@ class PagedKV:
         if T <= STEP_MAX_ROWS and self.dense_from(past + 1):
             # a step (a speculative verify): each row as the dense decode step at its position
             return self._attend_dense(q, k, v, scale)
-        block = self._block()
         return attend_past(
-            q, past, lambda: self._past_blocks(past, block), k, v, scale, self._dense_kv, block
+            q,
+            past,
+            lambda block: self._past_blocks(past, block),
+            k,
+            v,
+            scale,
+            self._dense_kv,
+            self._block(),
+            self.page_tokens,
         )
 
     def _attend_dense(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
