@@ -30,7 +30,11 @@ OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 
 steps for T >= 2). Each round's gain is its tokens minus its cost in steps (and minus a
 re-feed after a rejection where one is needed, and 0.1 step per MTP draft token); when the last 4
 rounds together gained nothing, drafting pauses for 16 tokens, then 32, 64, ... so a stream
-where drafts keep failing ends up decoding plainly at a bounded loss. n-gram drafts are
+where drafts keep failing ends up decoding plainly at a bounded loss. Steps without drafts
+run pipelined as Model.decode's (the next step queued before a token is read back) for as
+long as no draft is coming: through a pause, after the gate closed, and in n-gram mode
+until a lookup on the tokens read so far finds a draft (one token late: the step in flight
+ends the run). n-gram drafts are
 throttled apart by match length: in prose one-token matches keep failing while a copied span
 (3-token matches) keeps paying off.
 """
@@ -76,14 +80,15 @@ def verify_cost(rows: int, gpu: bool | None = None) -> float:
 
     On a GPU a round costs more than its verify's device time: plain steps are pipelined
     (the next step's graph is built while the device runs this one), a round waits for its
-    tokens before it can build the next. Measured end to end on the H200 (64 layers of 27B
-    dims, 4K, benchmarks/results/h200/verify_rows_kernel.json): rounds of 2 / 3 / 5 rows took
-    1.9 / 2.2 / 2.4 plain steps."""
+    tokens before it can build the next. Measured on the H200 (64 layers of 27B dims, 4K,
+    benchmarks/results/h200/verify_rows_kernel.json) against a pipelined plain step (16.9
+    ms): a synchronous verify of 2 / 3 / 4 / 5 rows 1.41 / 1.67 / 1.59 / 1.84 steps, and
+    rounds of 5 rows end to end (p 0.9, nearly every forward a round) 1.97 steps."""
     if rows <= 1:
         return 1.0
     if gpu is None:
         gpu = mx.default_device().type == mx.DeviceType.gpu
-    return 1.8 + 0.15 * (rows - 1) if gpu else 1.22 + 0.14 * (rows - 1)
+    return 1.4 + 0.15 * (rows - 1) if gpu else 1.22 + 0.14 * (rows - 1)
 
 
 @dataclass(frozen=True)
@@ -264,7 +269,8 @@ def decode(
     replays = _can_replay(state)
     n = 0
     gate = True  # closes for good: a store that selects at some length selects beyond it
-    # `pending`: tokens decided but not yet yielded; all but the last are already in `state`
+    # `pending`: tokens decided but not yet yielded (a list, or a plain run yielding them as
+    # they are read back); once all are out, all but the last are in `state`
     pending = [int(sampler(logits, history).item())]
     limit = options.tokens  # draft length; 1 after a round whose first draft token failed
     while True:
@@ -280,7 +286,7 @@ def decode(
             if stats.finish_reason is not None:
                 stats.throttle_pauses = sum(t.pauses for t in throttles.values())
                 return
-        last = pending[-1]
+        last = token  # pending's last (pending may be a plain run's generator)
         k = min(limit, params.max_tokens - n - 1)  # never decide more than max_tokens allows
         draft: list[int] = []
         keep = kind = 0
@@ -289,23 +295,97 @@ def decode(
             if not gate:
                 stats.gate_closed_at = state.offset
                 track = None  # no more drafts: stop feeding the head (sync() catches up)
+        run, ends = 0, None  # a plain run: its length, and what may end it early
         if k > 0 and gate:
             if options.mode == "ngram":
-                draft, kind = drafts.ngram_match(state.tokens + [last], k)
+                context = state.tokens + [last]
+                draft, kind = drafts.ngram_match(context, k)
                 if not throttles.setdefault(kind, Throttle()).allows(n):
                     draft = []
+                if not draft:  # plain until a lookup finds a draft its throttle allows
+                    run, ends = params.max_tokens - n, _lookup_ends(context, k, throttles, stats)
             elif track is not None and track.last is not None:
-                if throttles.setdefault(0, Throttle()).allows(n):
+                throttle = throttles.setdefault(0, Throttle())
+                if throttle.allows(n):
                     draft, keep = track.draft(model.net, last, k)
+                else:
+                    run = throttle.resume_at - n
+        if not draft:
+            # no drafts for a while: plain steps, pipelined as Model.decode's
+            remaining = params.max_tokens - n
+            run = min(run or (1 if gate and k > 0 else remaining), remaining)
+            pending = _plain_run(model, state, last, sampler, history, run, stats, track, ends)
+            continue
         pending = _round(model, state, last, draft, sampler, history, stats, track, keep, stop_ids)
-        if draft:
-            gain = len(pending) - verify_cost(len(draft) + 1)
-            if track is not None:
-                gain -= MTP_STEP_COST * len(draft)
-            if len(pending) <= len(draft) and not state.can_truncate and not replays:
-                gain -= verify_cost(len(pending))  # the re-feed
-            throttles[kind].record(n, gain)
-            limit = options.tokens if len(pending) > 1 else 1
+        gain = len(pending) - verify_cost(len(draft) + 1)
+        if track is not None:
+            gain -= MTP_STEP_COST * len(draft)
+        if len(pending) <= len(draft) and not state.can_truncate and not replays:
+            gain -= verify_cost(len(pending))  # the re-feed
+        throttles[kind].record(n, gain)
+        limit = options.tokens if len(pending) > 1 else 1
+
+
+def _lookup_ends(context: list[int], k: int, throttles: dict[int, Throttle], stats):
+    """For a plain run in n-gram mode: after each token read back, whether the context so far
+    has a draft its throttle allows (the run then ends after the step already in flight, and
+    the next lookup drafts from one token later)."""
+
+    def ends(token: int) -> bool:
+        context.append(token)
+        draft, kind = drafts.ngram_match(context, k)
+        return bool(draft) and throttles.setdefault(kind, Throttle()).allows(
+            stats.generated_tokens + 1
+        )
+
+    return ends
+
+
+def _plain_run(
+    model: Model,
+    state: SequenceState,
+    last: int,
+    sampler: Sampler,
+    history: list[int],
+    count: int,
+    stats,
+    track: drafts.MTPTrack | None,
+    ends=None,
+) -> Iterator[int]:
+    """Up to `count` tokens after `last` by plain steps, each next step queued before this
+    token is read back (as Model.decode: the device does not wait for the host between
+    steps). `ends(token)` True ends the run after the step already in flight. When the run
+    ends, every token it gave but the last is in `state`; a consumer that stops early leaves
+    the token it stopped at fed by the step in flight, as plain decoding does."""
+
+    def queue(token) -> tuple[mx.array, mx.array | None]:
+        stats.forwards += 1
+        ids = token.reshape(1) if isinstance(token, mx.array) else [token]
+        if track is None:
+            logits, feats = model.forward(ids, state, last_only=True), None
+        else:
+            feats = model.forward_features(ids, state)
+            logits = model.net.logits_from_features(feats[-1:])
+        y = sampler(logits[-1], history)
+        mx.async_eval(y)
+        return y, feats
+
+    y, feats = queue(last)
+    fed = last
+    i = 0
+    while True:
+        more = i + 1 < count
+        if more:
+            following = queue(y)
+        token = int(y.item())
+        if track is not None:
+            track.step(model.net, feats, fed)
+        yield token
+        if not more:
+            return
+        if ends is not None and ends(token):
+            count = i + 2
+        (y, feats), fed, i = following, token, i + 1
 
 
 def _round(
@@ -320,17 +400,9 @@ def _round(
     keep: int,
     stop_ids: set[int],
 ) -> list[int]:
-    """Feed `last` (plus a verified draft); return the newly decided tokens: the accepted
-    draft (already in state) and the next token (not yet fed)."""
+    """Feed `last` and a draft, verified in one forward; return the newly decided tokens:
+    the accepted draft (already in state) and the next token (not yet fed)."""
     stats.forwards += 1
-    if not draft:
-        if track is None:
-            out = model.forward([last], state, last_only=True)
-        else:
-            feats = model.forward_features([last], state)
-            out = model.net.logits_from_features(feats[-1:])
-            track.step(model.net, feats, last)
-        return [int(sampler(out[-1], history).item())]
     stats.drafted += len(draft)
     base = state.offset
     recurrent = not state.can_truncate

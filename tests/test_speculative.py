@@ -514,13 +514,13 @@ def test_throttle_pauses_losing_drafts_and_doubles():
 
 
 def test_gpu_round_costs_pause_drafts_that_win_only_on_the_cpu():
-    """Rounds of 3 rows keeping 1.75 tokens each (k 2 at acceptance 0.5) win against plain
+    """Rounds of 3 rows keeping 1.56 tokens each (k 2 at acceptance 0.4) win against plain
     steps on the CPU and lose on the H200, where a round waits for its tokens while plain
     steps pipeline (measured: speculative.verify_cost): the throttle pauses them there."""
     cpu, gpu = Throttle(), Throttle()
     for i in range(speculative.WINDOW):
-        cpu.record(i, 1.75 - speculative.verify_cost(3, gpu=False))
-        gpu.record(i, 1.75 - speculative.verify_cost(3, gpu=True))
+        cpu.record(i, 1.56 - speculative.verify_cost(3, gpu=False))
+        gpu.record(i, 1.56 - speculative.verify_cost(3, gpu=True))
     assert cpu.pauses == 0 and gpu.pauses == 1
     assert speculative.verify_cost(1, gpu=True) == 1.0
     assert speculative.verify_cost(3) == speculative.verify_cost(3, gpu=False)  # this CPU
@@ -535,6 +535,43 @@ def test_always_wrong_drafts_stop_being_drafted(dense, monkeypatch):
     assert spec == plain and stats.accepted == 0 and stats.throttle_pauses >= 2
     # rounds: WINDOW before each pause; pauses of 16, 32, 64 tokens leave few in 120
     assert stats.drafted <= 4 * speculative.WINDOW + 4
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_paused_drafting_decodes_pipelined(request, monkeypatch, which):
+    """While the throttle pauses drafting, plain steps run as Model.decode's: the step that
+    feeds a token is queued before the token is handed out (the device never waits for the
+    host between them). The stream is still the plain one, the last token unfed, and the
+    MTP head was fed every position of the run."""
+    model = request.getfixturevalue(which)
+    prompt = [3, 4, 5]
+    plain, _ = run(model, prompt, 80, stop_token_ids=[], draft="off")
+    wrong = [(t + 1) % 200 for t in plain]
+    if which == "dense":
+        use_drafts(monkeypatch, lambda tokens, k: wrong[len(tokens) - 3 : len(tokens) - 3 + k])
+        options = DraftOptions("ngram", 2)
+    else:
+        real = drafts.MTPTrack.draft
+
+        def draft(self, net, next_token, k):
+            _, keep = real(self, net, next_token, k)
+            done = self.seen - len(prompt) + 1
+            return wrong[done : done + k], keep
+
+        monkeypatch.setattr(drafts.MTPTrack, "draft", draft)
+        options = DraftOptions("mtp", 2)
+    state = model.new_state()
+    stream = model.run(prompt, state, SamplingParams(max_tokens=80, stop_token_ids=[]), options)
+    ahead = []
+    for n, _token in enumerate(stream, 1):
+        ahead.append(state.offset - len(prompt) - n)  # 0: already fed, -1: not yet
+    stats = stream.stats
+    assert [t for t in state.tokens[len(prompt) :]] + [_token] == plain
+    assert stats.accepted == 0 and stats.throttle_pauses >= 1
+    # the first pause's run hands out its tokens fed already (all but its last)
+    assert ahead.count(0) >= speculative.FIRST_PAUSE - 1, ahead
+    if which == "hybrid":
+        mtp_history_matches_the_trunk(model, state)
 
 
 # ----- sessions: text, rewind, state files ---------------------------------------------------
