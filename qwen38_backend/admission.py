@@ -253,9 +253,9 @@ def default_prefill_chunk() -> int:
     """Tokens per prefill chunk: $QWEN38_PREFILL_CHUNK, else 2048 on CUDA, 512 on another GPU
     and 128 on the CPU. On the CPU throughput is the same (measured on the demo) and a chunk
     is what a cancel waits for; on the H200 a chunk re-reads all weights, and 2048 prefilled
-    27B dims ~2x faster at depth than 512 (benchmarks/results/h200/, README); its walk
-    walks shorter blocks (kv/blocked.py walk_block: SCORE_BLOCKS_LIVE x 96 MiB of scores).
-    Metal machines share their RAM with the weights, so they keep 512."""
+    27B dims ~2x faster at depth than 512 (benchmarks/results/h200/, README), for a walk
+    scratch of SCORE_BLOCKS_LIVE x 384 MiB of scores (kv/blocked.py). Metal machines share
+    their RAM with the weights, so they keep 512."""
     env = os.environ.get("QWEN38_PREFILL_CHUNK", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:

@@ -9,6 +9,7 @@ whose parts disagree about how many tokens they hold.
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -17,6 +18,9 @@ import mlx.core as mx
 
 from .errors import Qwen38Error
 from .rows import STEP_MAX_ROWS
+
+# Prefill layers queued on the device ahead of the one the host waits for (layer_built).
+PREFILL_LAYERS_AHEAD = 2
 
 
 @runtime_checkable
@@ -148,6 +152,7 @@ class SequenceState:
         self.layers = layers
         self._tokens: list[int] = []
         self._pending: list[mx.array] = []  # fed but not yet read back (async decode)
+        self._queued: deque[mx.array] = deque()  # prefill layers handed to the device
         self.extras: dict[str, Any] = {}  # e.g. sampler RNG key
         self.mtp: HeadHistory | None = None  # Model.new_state sets it for a model with a head
         # offset -> snapshots of the non-truncatable layers (None for truncatable ones) and
@@ -199,12 +204,20 @@ class SequenceState:
         each layer's state (a Gated DeltaNet's final recurrent state and conv rows, a KV
         write) came last in MLX's order, after every later layer, so the chunk-sized buffers
         it is computed from stayed alive through them all (issue 12: ~4.9 MB per chunk token
-        above weights + KV on 64 layers). A step hands `out` over every `eager` layers
-        (eager_layers)."""
+        above weights + KV on 64 layers). It then waits for the layer PREFILL_LAYERS_AHEAD
+        before: a handed-over layer's buffers are allocated when it is queued, so a host
+        running every layer ahead of the device held them all at once (the H200's ~12 GB above
+        weights + KV at a 2048-token chunk), while one layer queued keeps the device busy.
+        A step hands `out` over every `eager` layers (eager_layers)."""
         if rows > STEP_MAX_ROWS:
             arrays: list[mx.array] = []
             collect_arrays(self.layers[index], arrays, set())
             mx.async_eval(out, *arrays)
+            self._queued.append(out)
+            if len(self._queued) > PREFILL_LAYERS_AHEAD:
+                mx.eval(self._queued.popleft())
+            if index >= len(self.layers) - 1:
+                self._queued.clear()  # the chunk's end: evaluated with it, pinned by nothing
         elif eager and (index + 1) % eager == 0:
             mx.async_eval(out)
 

@@ -91,3 +91,31 @@ def test_plan_scratch_matches_the_measured_peak(models, measured):
         plan = memory_plan(model, 2 * CHUNK, prefill_chunk=CHUNK)["scratch"]
         peak = measured[layers][0]
         assert 0.75 * plan <= peak <= 1.25 * plan, (layers, peak, plan)
+
+
+def test_prefill_waits_for_layers_so_few_are_queued(monkeypatch):
+    """A prefill chunk queues each layer on the device and then waits for the layer
+    PREFILL_LAYERS_AHEAD before it, so the host never has more layers' buffers queued (on a
+    GPU a host running ahead queued every layer's at once)."""
+    from qwen38_backend import state as state_module
+
+    model = qwen3_5_model(8)
+    state = model.new_state()
+    queued, waited = [], set()
+    real_async, real_eval = mx.async_eval, mx.eval
+
+    def on_queue(*arrays):
+        queued.append(arrays[0])
+        ahead = [a for a in queued if id(a) not in waited]
+        assert len(ahead) <= state_module.PREFILL_LAYERS_AHEAD + 1, len(ahead)
+        return real_async(*arrays)
+
+    def on_eval(*arrays):
+        waited.update(id(a) for a in arrays)
+        return real_eval(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", on_queue)
+    monkeypatch.setattr(mx, "eval", on_eval)
+    model.forward(list(range(3, 3 + CHUNK)), state)
+    assert len(queued) == 8
+    assert sum(id(a) in waited for a in queued) == 8 - state_module.PREFILL_LAYERS_AHEAD

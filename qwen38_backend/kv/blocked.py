@@ -32,20 +32,20 @@ import mlx.core as mx
 # Keys per block of the walk, at most. Scores of one block are [Hq, T, block] fp32: 2048 keys
 # with a 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
 BLOCK_TOKENS = 2048
-# A longer chunk walks shorter blocks so one block's scores stay within this (a 2048-token
-# chunk: 512 keys, not 2048; the walk is bound by the scores' elementwise traffic, which
-# the block length does not change), but never below MIN_BLOCK_TOKENS keys.
-BLOCK_SCORE_BYTES = 96 << 20
+# A longer chunk walks shorter blocks so one block's scores stay within this (384 MiB: a
+# 2048-token chunk of 24 heads keeps whole 2048-key blocks; shorter blocks cost launches:
+# 512-key ones prefilled 131K 30% slower on the H200), but never below MIN_BLOCK_TOKENS.
+BLOCK_SCORE_BYTES = 384 << 20
 MIN_BLOCK_TOKENS = 256
 # One-shot attention also runs when its scores [Hq, T, past + T] fp32 stay this small: the
 # fused kernel is faster than the walk at short contexts, and the bound is still a constant.
 ONE_SHOT_BYTES = 128 << 20
-# The lazy graph of a long walk keeps about a dozen blocks' scores alive at once (measured
-# on CPU); evaluating the carry every few blocks bounds that to about this many.
-EVAL_EVERY_BLOCKS = 4
-# Peak of a walk in units of one block's scores [Hq, T, BLOCK] fp32 (measured on CPU with
-# EVAL_EVERY_BLOCKS = 4: scores, their exp and the blocks in flight); admission plans with it.
-SCORE_BLOCKS_LIVE = 9
+# The walk hands each block's carry to the device (mx.async_eval) and waits for the block
+# before it: the device always has the next block queued, and the host never queues more
+# (a queued block's scores are allocated when it is queued). Peak of a walk in units of one
+# block's scores [Hq, T, block] fp32 (measured on the CPU, 4.5: scores, their exp, the block
+# in flight); admission plans with it.
+SCORE_BLOCKS_LIVE = 5
 
 Block = tuple[mx.array, mx.array] | tuple[mx.array, mx.array, bool]
 
@@ -119,16 +119,19 @@ def blocked_attention(
     # Queries of one KV group side by side: [Hkv, G*T, D], scaled once (in fp32, then
     # rounded to the keys' dtype for the matmuls).
     qs = (q.squeeze(0).astype(mx.float32) * scale).astype(k.dtype).reshape(hkv, group * T, d)
-    carry = None
-    for i, block in enumerate(blocks):
+    carry = queued = None
+    for block in blocks:
         kb, vb = block[0], block[1]
         if kb.shape[2] == 0:
             continue
         carry = _carry_step(qs, kb.squeeze(0), vb.squeeze(0), carry)
-        if (len(block) > 2 and block[2]) or (i + 1) % EVAL_EVERY_BLOCKS == 0:
-            # A transient block (read from disk) is freed at once; resident ones every few
-            # blocks, so the graph never holds more than a few blocks' scores.
-            mx.eval(carry)
+        if len(block) > 2 and block[2]:
+            mx.eval(carry)  # a transient block (read from disk) is freed at once
+        else:
+            mx.async_eval(carry)
+            if queued is not None:
+                mx.eval(queued)  # the block before: one block queued behind this one
+            queued = carry
     # The chunk itself: query row r (position r % T within the chunk) sees keys <= r % T.
     rows = mx.arange(T)[:, None] >= mx.arange(T)[None, :]  # [T, T]
     mask = mx.broadcast_to(rows[None], (group, T, T)).reshape(1, group * T, T)
