@@ -19,6 +19,7 @@ and block times x layer counts x chunks against the measured whole-model time.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -65,14 +66,18 @@ def timed(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(once() for _ in range(reps))
 
 
+KEYWORDS: dict[str, dict] = {}
+
+
 @contextmanager
 def captured(module, name: str, seen: dict):
-    """Inside: `module.name` records the arguments of its last call in seen[name]."""
+    """Inside: `module.name` records the arguments of its last call in seen[name] (keyword
+    arguments in KEYWORDS[name])."""
     real = getattr(module, name)
 
-    def spy(*args):
-        seen[name] = args
-        return real(*args)
+    def spy(*args, **kwargs):
+        seen[name], KEYWORDS[name] = args, kwargs
+        return real(*args, **kwargs)
 
     setattr(module, name, spy)
     try:
@@ -111,6 +116,7 @@ def gdn_parts(block, st, h: mx.array, offset: int, reps: int) -> dict:
     """Parts of GatedDeltaNet.__call__ (the prefill path) and of its block; `st` is the
     layer state after the past (a call advances a state: each runs on a copy)."""
     from qwen38_backend.models import gated_deltanet as gdn
+    from qwen38_backend.models.gated_delta import scan_chunks
     from qwen38_backend.rows import project
 
     def through(call: Callable) -> Callable:
@@ -128,7 +134,8 @@ def gdn_parts(block, st, h: mx.array, offset: int, reps: int) -> dict:
     with captured(gdn, "prepare_qk", seen), captured(gdn, "chunked_gated_delta", seen):
         mixed = through(lambda s: mixer(x, s))()[0]
     mx.eval(x, qkv, z, mixed, [a for c in seen.values() for a in c if isinstance(a, mx.array)])
-    o = gdn.chunked_gated_delta(*seen["chunked_gated_delta"])[0].astype(x.dtype)
+    core = functools.partial(gdn.chunked_gated_delta, *seen["chunked_gated_delta"])
+    o = core(**KEYWORDS["chunked_gated_delta"])[0].astype(x.dtype)
     z = z.reshape(T, mixer.n_v_heads, mixer.v_head_dim)
     normed = mixer.norm(o, z).reshape(T, mixer.value_dim)
     mx.eval(o, normed)
@@ -137,9 +144,10 @@ def gdn_parts(block, st, h: mx.array, offset: int, reps: int) -> dict:
         "in_proj": timed(lambda: mixer._project(x), reps),
         "conv": timed(through(lambda s: mixer._conv(qkv, s)), reps),
         "prepare_qk": timed(lambda: gdn.prepare_qk(*seen["prepare_qk"]), reps),
-        "chunked_gated_delta": timed(
-            lambda: gdn.chunked_gated_delta(*seen["chunked_gated_delta"]), reps
-        ),
+        "chunked_gated_delta": timed(lambda: core(**KEYWORDS["chunked_gated_delta"]), reps),
+        # the same with the op path's scan over chunks (the engine's on CUDA is one kernel
+        # launch, kernels/gdn_chunk_scan.py, where its probe passes)
+        "chunked_gated_delta_op_scan": timed(lambda: core(scan=scan_chunks), reps),
         "gated_norm": timed(lambda: mixer.norm(o, z), reps),
         "out_proj": timed(lambda: project(mixer.out_proj, normed), reps),
         "mixer": timed(through(lambda s: mixer(x, s)), reps),

@@ -107,6 +107,30 @@ def _unit_lower_inverse(M: mx.array) -> mx.array:
     return D[..., 0, :, :]
 
 
+def scan_chunks(
+    u: mx.array,
+    w: mx.array,
+    q_dec: mx.array,
+    qk: mx.array,
+    k_tail: mx.array,
+    decay: mx.array,
+    S: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """The chunked form's scan over chunks: per chunk n, delta = u - w S; o = q_dec S +
+    qk delta; S = S decay + k_tail^T delta. u [H, N, C, Dv], w / q_dec / k_tail [H, N, C, Dk],
+    qk [H, N, C, C], decay [H, N], S [H, Dk, Dv] (fp32). Returns (o [H, N, C, Dv], S).
+    (kernels/gdn_chunk_scan.py is the same scan in one CUDA launch.)"""
+    outs = []
+    for n in range(u.shape[1]):
+        delta = u[:, n] - w[:, n] @ S
+        outs.append(q_dec[:, n] @ S + qk[:, n] @ delta)
+        S = S * decay[:, n, None, None] + k_tail[:, n].swapaxes(-1, -2) @ delta
+    return mx.stack(outs, axis=1), S
+
+
+Scan = Callable[..., tuple[mx.array, mx.array]]
+
+
 def chunked_gated_delta(
     q: mx.array,
     k: mx.array,
@@ -115,8 +139,10 @@ def chunked_gated_delta(
     beta: mx.array,
     S: mx.array,
     chunk: int = CHUNK,
+    scan: Scan = scan_chunks,
 ) -> tuple[mx.array, mx.array]:
-    """Chunked form, same arguments and results as `recurrent_gated_delta`."""
+    """Chunked form, same arguments and results as `recurrent_gated_delta`; `scan`: the
+    scan over chunks (`scan_chunks`'s arguments and results)."""
     T, H, Dk = q.shape
     Dv = v.shape[-1]
     pad = (-T) % chunk
@@ -150,14 +176,8 @@ def chunked_gated_delta(
     q_dec = q * Gam
     qk = (q @ k.swapaxes(-1, -2)) * decay_incl
     k_tail = k * mx.exp(gam[..., -1:] - gam)[..., None]
-    chunk_decay = mx.exp(gam[..., -1])[..., None, None]
-
-    outs = []
-    for n in range(N):
-        delta = u[:, n] - w[:, n] @ S
-        outs.append(q_dec[:, n] @ S + qk[:, n] @ delta)
-        S = S * chunk_decay[:, n] + k_tail[:, n].swapaxes(-1, -2) @ delta
-    o = mx.stack(outs, axis=1).reshape(H, N * chunk, Dv).transpose(1, 0, 2)
+    o, S = scan(u, w, q_dec, qk, k_tail, mx.exp(gam[..., -1]), S)
+    o = o.reshape(H, N * chunk, Dv).transpose(1, 0, 2)
     return o[:T], S
 
 

@@ -16,7 +16,16 @@ import mlx.nn as nn
 from ..errors import ConfigError
 from ..rows import STEP_MAX_ROWS, project
 from ..state import Replayable, RewindError
-from .gated_delta import CoreSpec, chunked_gated_delta, decode_core, gdn_core, prepare_qk
+from .gated_delta import (
+    CHUNK,
+    CoreSpec,
+    Scan,
+    chunked_gated_delta,
+    decode_core,
+    gdn_core,
+    prepare_qk,
+    scan_chunks,
+)
 from .gated_delta import recurrent_gated_delta as recurrent_gated_delta
 from .layers import can_fuse, compiled, fuse_linears, split_outputs
 from .parallel import part_of, ranks, require_divisible, split_outputs_of, summed_over
@@ -206,7 +215,7 @@ class GatedDeltaNet(nn.Module):
         # the state is kept as [Hv, Dv, Dk] (the fused kernel's layout); the chunked form
         # works on [Hv, Dk, Dv]
         S = mx.zeros((Hv, Dk, Dv), mx.float32) if S is None else S.swapaxes(-1, -2)
-        o, S = chunked_gated_delta(q, k, v, g, beta, S)
+        o, S = chunked_gated_delta(q, k, v, g, beta, S, scan=_chunk_scan(Dk, Dv))
         state.recurrent = S.swapaxes(-1, -2)
         state.length += T
         o = self.norm(o.astype(x.dtype), z)
@@ -345,3 +354,13 @@ def _kernel_module():
     except ImportError:
         return None
     return gdn_decode
+
+
+def _chunk_scan(dk: int, dv: int) -> Scan:
+    """The chunked form's scan over chunks: kernels/gdn_chunk_scan.py's one launch where it
+    runs and agrees with the op path (probed once per shape), else the op path."""
+    try:
+        from ..kernels import gdn_chunk_scan
+    except ImportError:
+        return scan_chunks
+    return gdn_chunk_scan.chunk_scan if gdn_chunk_scan.available(dk, dv, CHUNK) else scan_chunks
