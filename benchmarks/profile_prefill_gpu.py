@@ -116,7 +116,7 @@ def gdn_parts(block, st, h: mx.array, offset: int, reps: int) -> dict:
     """Parts of GatedDeltaNet.__call__ (the prefill path) and of its block; `st` is the
     layer state after the past (a call advances a state: each runs on a copy)."""
     from qwen38_backend.models import gated_deltanet as gdn
-    from qwen38_backend.models.gated_delta import scan_chunks
+    from qwen38_backend.models.gated_delta import scan_chunks, solve_chunks
     from qwen38_backend.rows import project
 
     def through(call: Callable) -> Callable:
@@ -145,9 +145,11 @@ def gdn_parts(block, st, h: mx.array, offset: int, reps: int) -> dict:
         "conv": timed(through(lambda s: mixer._conv(qkv, s)), reps),
         "prepare_qk": timed(lambda: gdn.prepare_qk(*seen["prepare_qk"]), reps),
         "chunked_gated_delta": timed(lambda: core(**KEYWORDS["chunked_gated_delta"]), reps),
-        # the same with the op path's scan over chunks (the engine's on CUDA is one kernel
-        # launch, kernels/gdn_chunk_scan.py, where its probe passes)
-        "chunked_gated_delta_op_scan": timed(lambda: core(scan=scan_chunks), reps),
+        # the same on the op path (the engine's solve and scan on CUDA are one kernel
+        # launch each, kernels/gdn_prefill.py, where their probes pass)
+        "chunked_gated_delta_op_path": timed(
+            lambda: core(solve=solve_chunks, scan=scan_chunks), reps
+        ),
         "gated_norm": timed(lambda: mixer.norm(o, z), reps),
         "out_proj": timed(lambda: project(mixer.out_proj, normed), reps),
         "mixer": timed(through(lambda s: mixer(x, s)), reps),

@@ -293,26 +293,31 @@ def test_steps_take_the_rows_kernel(gpu_models):
     assert rows.kernel_dtype() == mx.bfloat16
 
 
-# ----- the Gated DeltaNet prefill scan (kernels/gdn_chunk_scan.py) ----------------------------
-def test_gdn_chunk_scan_kernel_matches_the_op_path():
-    """One launch == the op path's loop over chunks, to fp32 rounding, at 27B's head dims
-    (48 value heads, a 2048-token prefill chunk: 32 chunks of 64)."""
-    from qwen38_backend.kernels import gdn_chunk_scan as kernel
+# ----- the Gated DeltaNet prefill kernels (kernels/gdn_prefill.py) ----------------------------
+@pytest.mark.parametrize("kind", ["solve", "scan"])
+def test_gdn_prefill_kernels_match_the_op_path(kind):
+    """One launch == the op path (the solve through its inverse, the scan's loop over
+    chunks), to fp32 rounding, at 27B's head dims (48 value heads, a 2048-token prefill
+    chunk: 32 chunks of 64)."""
+    from qwen38_backend.kernels import gdn_prefill as kernel
 
-    from qwen38_backend.models.gated_delta import scan_chunks
+    from qwen38_backend.models.gated_delta import scan_chunks, solve_chunks
 
-    assert kernel.available(128, 128, 64)
+    assert kernel.probe(kind, 128, 128, 64) is None
     args = kernel.probe_inputs(heads=48, chunks=32, chunk=64, dk=128, dv=128, seed=1)
-    got, want = kernel.chunk_scan(*args), scan_chunks(*args)
+    if kind == "solve":
+        got, want = kernel.chunk_solve(*args[:4]), solve_chunks(*args[:4])
+    else:
+        got, want = kernel.chunk_scan(*args[4:]), scan_chunks(*args[4:])
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         assert (mx.abs(g - w).max() / mx.abs(w).max()).item() <= 1e-5
 
 
-def test_chunked_form_with_the_scan_kernel_equals_the_recurrence():
-    """The whole chunked form with the kernel's scan against the token-by-token reference
-    (a partial last chunk included)."""
-    from qwen38_backend.kernels import gdn_chunk_scan as kernel
+def test_chunked_form_with_the_kernels_equals_the_recurrence():
+    """The whole chunked form with both kernels against the token-by-token reference (a
+    partial last chunk included)."""
+    from qwen38_backend.kernels import gdn_prefill as kernel
 
     from qwen38_backend.models.gated_deltanet import (
         chunked_gated_delta,
@@ -329,34 +334,40 @@ def test_chunked_form_with_the_scan_kernel_equals_the_recurrence():
     S0 = 0.1 * mx.random.normal((Hv, D, D))
     qp, kp = prepare_qk(q, k, Hv)
     o_ref, S_ref = recurrent_gated_delta(qp, kp, v, g, beta, S0)
-    o, S = chunked_gated_delta(qp, kp, v, g, beta, S0, scan=kernel.chunk_scan)
+    o, S = chunked_gated_delta(
+        qp, kp, v, g, beta, S0, solve=kernel.chunk_solve, scan=kernel.chunk_scan
+    )
     assert mx.abs(o - o_ref).max().item() < 1e-4
     assert mx.abs(S - S_ref).max().item() < 1e-4
 
 
-def test_gdn_scan_kernel_keeps_prefill_logits(gpu_models, monkeypatch):
-    """A bf16 prefill (27B dims, 4 layers) with the kernel's scan and with the op path's:
-    the same last-position logits to bf16 rounding and the same greedy token; the kernel
-    really ran."""
-    from qwen38_backend.kernels import gdn_chunk_scan as kernel
+def test_gdn_prefill_kernels_keep_prefill_logits(gpu_models, monkeypatch):
+    """A bf16 prefill (27B dims, 4 layers) with the kernels (auto: the measured ones; force:
+    both) and with the op path: the same last-position logits to bf16 rounding and the same
+    greedy token; the kernels really ran."""
+    from qwen38_backend.kernels import gdn_prefill as kernel
 
     model = gpu_models["27b"]
     prompt = [(7 * i + 5) % 30000 + 2 for i in range(300)]
     calls = []
-    real = kernel.chunk_scan
-    monkeypatch.setattr(kernel, "chunk_scan", lambda *a: calls.append(1) or real(*a))
+    for name in ("chunk_solve", "chunk_scan"):
+        real = getattr(kernel, name)
+        spy = lambda *a, real=real, name=name: calls.append(name) or real(*a)  # noqa: E731
+        monkeypatch.setattr(kernel, name, spy)
     logits = {}
-    for choice in ("auto", "off"):
-        monkeypatch.setenv("QWEN38_GDN_SCAN_KERNEL", choice)
+    ran = {"auto": {"chunk_scan"}, "force": {"chunk_solve", "chunk_scan"}, "off": set()}
+    for choice in ran:
+        monkeypatch.setenv("QWEN38_GDN_PREFILL_KERNEL", choice)
         kernel.available.cache_clear()
         calls.clear()
         out = model.prefill(prompt, model.new_state(), chunk=128)
         logits[choice] = np.array(out.astype(mx.float32))
-        assert bool(calls) == (choice == "auto")
+        assert set(calls) == ran[choice], choice
     kernel.available.cache_clear()
-    a, b = logits["auto"], logits["off"]
-    assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
-    assert a.argmax() == b.argmax()
+    b = logits["off"]
+    for a in (logits["auto"], logits["force"]):
+        assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
+        assert a.argmax() == b.argmax()
 
 
 # ----- speculative verify rows == plain steps (rows.py) ----------------------------------------

@@ -119,7 +119,7 @@ def scan_chunks(
     """The chunked form's scan over chunks: per chunk n, delta = u - w S; o = q_dec S +
     qk delta; S = S decay + k_tail^T delta. u [H, N, C, Dv], w / q_dec / k_tail [H, N, C, Dk],
     qk [H, N, C, C], decay [H, N], S [H, Dk, Dv] (fp32). Returns (o [H, N, C, Dv], S).
-    (kernels/gdn_chunk_scan.py is the same scan in one CUDA launch.)"""
+    (kernels/gdn_prefill.py's chunk_scan is the same scan in one CUDA launch.)"""
     outs = []
     for n in range(u.shape[1]):
         delta = u[:, n] - w[:, n] @ S
@@ -128,7 +128,29 @@ def scan_chunks(
     return mx.stack(outs, axis=1), S
 
 
+def solve_chunks(
+    k: mx.array, v: mx.array, beta: mx.array, gam: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Each chunk's deltas if its incoming state were zero (u) and how that state shifts them
+    (w): with A[t, s] = beta_t (k_t . k_s) exp(gam_t - gam_s) for s < t, (I + A) u = v beta
+    and (I + A) w = k beta exp(gam). k [H, N, C, Dk], v [H, N, C, Dv], beta / gam (the
+    cumulative log decay) [H, N, C], fp32. The unit lower-triangular inverse is built by
+    recursive block doubling (_unit_lower_inverse). (kernels/gdn_prefill.py's chunk_solve
+    solves by forward substitution in one CUDA launch.)"""
+    chunk = k.shape[-2]
+    idx = mx.arange(chunk)
+    strict = idx[:, None] > idx[None, :]
+    # mask before exp: above the diagonal the difference is positive and could overflow
+    decay = mx.exp(mx.where(strict, gam[..., :, None] - gam[..., None, :], -mx.inf))
+    system = mx.eye(chunk, dtype=mx.float32) + beta[..., :, None] * (k @ k.swapaxes(-1, -2)) * decay
+    inv = _unit_lower_inverse(system)
+    u = inv @ (v * beta[..., None])
+    w = inv @ (k * (beta * mx.exp(gam))[..., None])
+    return u, w
+
+
 Scan = Callable[..., tuple[mx.array, mx.array]]
+Solve = Callable[..., tuple[mx.array, mx.array]]
 
 
 def chunked_gated_delta(
@@ -139,10 +161,12 @@ def chunked_gated_delta(
     beta: mx.array,
     S: mx.array,
     chunk: int = CHUNK,
+    solve: Solve = solve_chunks,
     scan: Scan = scan_chunks,
 ) -> tuple[mx.array, mx.array]:
-    """Chunked form, same arguments and results as `recurrent_gated_delta`; `scan`: the
-    scan over chunks (`scan_chunks`'s arguments and results)."""
+    """Chunked form, same arguments and results as `recurrent_gated_delta`; `solve` and
+    `scan`: the per-chunk solve and the scan over chunks (`solve_chunks`'s and
+    `scan_chunks`' arguments and results)."""
     T, H, Dk = q.shape
     Dv = v.shape[-1]
     pad = (-T) % chunk
@@ -157,23 +181,12 @@ def chunked_gated_delta(
     g, beta = (x.reshape(N, chunk, H).transpose(2, 0, 1) for x in (g, beta))
 
     gam = mx.cumsum(g, axis=-1)  # log of the decay from chunk start through t
+    u, w = solve(k, v, beta, gam)
     idx = mx.arange(chunk)
     causal = idx[:, None] >= idx[None, :]
-    strict = idx[:, None] > idx[None, :]
-    diff = gam[..., :, None] - gam[..., None, :]
     # mask before exp: above the diagonal the difference is positive and could overflow
-    decay_incl = mx.exp(mx.where(causal, diff, -mx.inf))
-    decay_strict = mx.where(strict, decay_incl, 0.0)
-
-    kk = k @ k.swapaxes(-1, -2)
-    eye = mx.eye(chunk, dtype=mx.float32)
-    system = eye + beta[..., :, None] * kk * decay_strict  # (I + A) delta = rhs
-    inv = _unit_lower_inverse(system)
-
-    Gam = mx.exp(gam)[..., None]
-    u = inv @ (v * beta[..., None])  # deltas if the incoming state were zero
-    w = inv @ (k * (beta[..., None] * Gam))  # how the incoming state shifts them
-    q_dec = q * Gam
+    decay_incl = mx.exp(mx.where(causal, gam[..., :, None] - gam[..., None, :], -mx.inf))
+    q_dec = q * mx.exp(gam)[..., None]
     qk = (q @ k.swapaxes(-1, -2)) * decay_incl
     k_tail = k * mx.exp(gam[..., -1:] - gam)[..., None]
     o, S = scan(u, w, q_dec, qk, k_tail, mx.exp(gam[..., -1]), S)

@@ -19,12 +19,10 @@ from ..state import Replayable, RewindError
 from .gated_delta import (
     CHUNK,
     CoreSpec,
-    Scan,
     chunked_gated_delta,
     decode_core,
     gdn_core,
     prepare_qk,
-    scan_chunks,
 )
 from .gated_delta import recurrent_gated_delta as recurrent_gated_delta
 from .layers import can_fuse, compiled, fuse_linears, split_outputs
@@ -215,7 +213,7 @@ class GatedDeltaNet(nn.Module):
         # the state is kept as [Hv, Dv, Dk] (the fused kernel's layout); the chunked form
         # works on [Hv, Dk, Dv]
         S = mx.zeros((Hv, Dk, Dv), mx.float32) if S is None else S.swapaxes(-1, -2)
-        o, S = chunked_gated_delta(q, k, v, g, beta, S, scan=_chunk_scan(Dk, Dv))
+        o, S = chunked_gated_delta(q, k, v, g, beta, S, **_chunk_parts(Dk, Dv))
         state.recurrent = S.swapaxes(-1, -2)
         state.length += T
         o = self.norm(o.astype(x.dtype), z)
@@ -356,11 +354,17 @@ def _kernel_module():
     return gdn_decode
 
 
-def _chunk_scan(dk: int, dv: int) -> Scan:
-    """The chunked form's scan over chunks: kernels/gdn_chunk_scan.py's one launch where it
-    runs and agrees with the op path (probed once per shape), else the op path."""
+def _chunk_parts(dk: int, dv: int) -> dict:
+    """The chunked form's per-chunk solve and scan over chunks: kernels/gdn_prefill.py's
+    launches where they run and agree with the op path (each probed once per shape), else
+    the op path's."""
     try:
-        from ..kernels import gdn_chunk_scan
+        from ..kernels import gdn_prefill
     except ImportError:
-        return scan_chunks
-    return gdn_chunk_scan.chunk_scan if gdn_chunk_scan.available(dk, dv, CHUNK) else scan_chunks
+        return {}
+    parts = {}
+    if gdn_prefill.available("solve", dk, dv, CHUNK):
+        parts["solve"] = gdn_prefill.chunk_solve
+    if gdn_prefill.available("scan", dk, dv, CHUNK):
+        parts["scan"] = gdn_prefill.chunk_scan
+    return parts
