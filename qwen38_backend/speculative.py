@@ -28,22 +28,21 @@ the verify as a single step would, so it needs no gate (tested past its dense th
 Throttle: a round costs more than a plain step (measured, demo model on this 2-core CPU with
 OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 (T - 1)
 steps for T >= 2). Each round's gain is its tokens minus its cost in steps (and minus a
-re-feed after a rejection where one is needed, and 0.1 step per MTP draft token); when the last 4
-rounds together gained nothing, drafting pauses for 16 tokens, then 32, 64, ... so a stream
-where drafts keep failing ends up decoding plainly at a bounded loss. Steps without drafts
-run pipelined as Model.decode's (the next step queued before a token is read back) for as
-long as no draft is coming: through a pause, after the gate closed, and in n-gram mode
-until a lookup on the tokens read so far finds a draft (one token late: the step in flight
-ends the run). n-gram drafts are
-throttled apart by match length: in prose one-token matches keep failing while a copied span
-(3-token matches) keeps paying off.
+re-feed after a rejection where one is needed, and 0.1 step per MTP draft token); when 4
+rounds (one window; windows do not overlap) together gained nothing, drafting pauses for 16
+tokens, then 32, 64, ... so a stream where drafts keep failing ends up decoding plainly at a
+bounded loss. n-gram drafts are throttled apart by match length: in prose one-token matches
+keep failing while a copied span (3-token matches) keeps paying off.
+Steps without drafts run pipelined as Model.decode's (the next step queued before a token is
+read back) for as long as no draft is coming: through a pause, after the gate closed, and in
+n-gram mode until a lookup on the tokens read so far finds a draft (one token late: the step
+in flight ends the run).
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -211,7 +210,7 @@ class Throttle:
     """Pauses drafting while rounds lose against plain steps (module docstring)."""
 
     def __init__(self) -> None:
-        self.gains: deque[float] = deque(maxlen=WINDOW)
+        self.gains: list[float] = []
         self.resume_at = 0
         self.pause = FIRST_PAUSE
         self.pauses = 0
@@ -220,12 +219,17 @@ class Throttle:
         return n >= self.resume_at
 
     def record(self, n: int, gain: float) -> None:
+        """A round's gain; every WINDOW rounds (windows apart: a sliding window paused a
+        stream that wins on average after any bad run of 4, benchmarks/throttle_sim.py)
+        decide whether drafting pauses."""
         self.gains.append(gain)
-        if len(self.gains) == WINDOW and sum(self.gains) <= 0:
+        if len(self.gains) < WINDOW:
+            return
+        if sum(self.gains) <= 0:
             self.resume_at = n + self.pause
             self.pause *= 2
             self.pauses += 1
-            self.gains.clear()
+        self.gains.clear()
 
 
 class KeyChain:

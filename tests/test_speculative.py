@@ -509,8 +509,13 @@ def test_throttle_pauses_losing_drafts_and_doubles():
     for i in range(speculative.WINDOW - 1):
         t.record(31 + i, -0.3)
     assert t.pauses == 1  # the winning round outweighs the window's losing ones
-    t.record(40, -0.3)  # the winning round leaves the window: all losing rounds
-    assert t.pauses == 2 and t.resume_at == 40 + 2 * speculative.FIRST_PAUSE
+    # windows do not overlap: a losing run right after a winning window pauses only once it
+    # fills a window of its own
+    for i in range(speculative.WINDOW - 1):
+        t.record(40 + i, -0.3)
+        assert t.pauses == 1
+    t.record(50, -0.3)
+    assert t.pauses == 2 and t.resume_at == 50 + 2 * speculative.FIRST_PAUSE
 
 
 def test_gpu_round_costs_pause_drafts_that_win_only_on_the_cpu():

@@ -1,0 +1,90 @@
+"""The drafting throttle on a simulated stream (issue 13): which windowing loses least.
+
+    python benchmarks/throttle_sim.py --out benchmarks/results/cpu/throttle_sim.json
+
+A stream of `--tokens` tokens where each draft token agrees with probability p (independent,
+as the H200 oracle benchmark draws them: bench_verify_gpu.py), k drafts per round, a round of
+T rows costing speculative.verify_cost(T, gpu=True) plain steps and a paused step one.
+Decoded tokens per step spent, relative to plain decoding, for the throttle as it is
+(speculative.Throttle: windows of WINDOW rounds apart) and for a sliding window (the
+previous rule: decide after every round over the last WINDOW), best k per p, mean over
+`--seeds` streams. No model runs: this measures the rule, not the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from qwen38_backend import speculative  # noqa: E402
+from qwen38_backend.speculative import FIRST_PAUSE, WINDOW, Throttle, verify_cost  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json  # noqa: E402
+
+
+class SlidingThrottle(Throttle):
+    """The previous rule: after every round, pause when the last WINDOW rounds gained
+    nothing."""
+
+    def record(self, n: int, gain: float) -> None:
+        self.gains = (self.gains + [gain])[-WINDOW:]
+        if len(self.gains) == WINDOW and sum(self.gains) <= 0:
+            self.resume_at = n + self.pause
+            self.pause *= 2
+            self.pauses += 1
+            self.gains = []
+
+
+def speedup(rule: type[Throttle], p: float, k: int, tokens: int, seed: int) -> float:
+    rng, throttle, n, spent = random.Random(seed), rule(), 0, 0.0
+    cost = verify_cost(k + 1, gpu=True)
+    while n < tokens:
+        if not throttle.allows(n):
+            n, spent = n + 1, spent + 1.0
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < p:
+            accepted += 1
+        throttle.record(n, accepted + 1 - cost)
+        n, spent = n + accepted + 1, spent + cost
+    return tokens / spent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--p", default="0.2,0.35,0.5,0.65,0.8,0.9")
+    ap.add_argument("--max-k", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--seeds", type=int, default=400)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rules = {"windows_apart": Throttle, "sliding": SlidingThrottle}
+    out: dict = {
+        "window": WINDOW,
+        "first_pause": FIRST_PAUSE,
+        "round_cost": {str(r): verify_cost(r, gpu=True) for r in range(2, args.max_k + 2)},
+        "tokens": args.tokens,
+        "seeds": args.seeds,
+        "by_p": {},
+    }
+    for p in (float(x) for x in args.p.split(",")):
+        row = {}
+        for name, rule in rules.items():
+            by_k = {
+                k: statistics.mean(speedup(rule, p, k, args.tokens, s) for s in range(args.seeds))
+                for k in range(1, args.max_k + 1)
+            }
+            best = max(by_k, key=by_k.get)
+            row[name] = {"best_k": best, "speedup": by_k[best], "by_k": by_k}
+        out["by_p"][str(p)] = row
+    out["module"] = speculative.__file__
+    write_json(out, args.out)
+
+
+if __name__ == "__main__":
+    main()
