@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import Qwen38Error
+from .interrupts import first_sigint_cancels
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -94,30 +92,15 @@ def _options(args: argparse.Namespace) -> dict:
     return opts
 
 
-@contextlib.contextmanager
-def _interruptible() -> Iterator[threading.Event]:
-    """The first Ctrl-C sets the yielded event (the engine stops at its next prefill chunk or
-    token and the turn ends there); a second one raises KeyboardInterrupt as usual."""
-    cancel = threading.Event()
-
-    def on_sigint(signum, frame):
-        if cancel.is_set():
-            raise KeyboardInterrupt
-        cancel.set()
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield cancel
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def _stream_turn(session, messages: list[dict], args: argparse.Namespace) -> tuple[str, bool]:
     """Stream one assistant turn to stdout (reasoning to stderr, dimmed); return the answer
     and whether Ctrl-C ended it early."""
     from .prefix_store import StateFileWarning
 
-    with _interruptible() as cancel, warnings.catch_warnings(record=True) as caught:
+    with (
+        first_sigint_cancels(threading.Event()) as cancel,
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("always", StateFileWarning)
         events = session.generate(messages, cancel=cancel, **_options(args))
         answer = _print_events(session, events, args)

@@ -91,6 +91,33 @@ def answering(cli: LLM, model: str) -> Running:
     return Running(args + ["-o", "max_tokens", "20000"], {**cli.env, "PYTHONUNBUFFERED": "1"})
 
 
+CTRL_C_WHILE_PRINTING = """
+import os, signal, llm
+response = llm.get_model("long").prompt("hello", max_tokens=20000, think=False)
+for n, chunk in enumerate(response):
+    if n == 2:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the program handles a chunk
+print("ENDED", response.response_json["finish_reason"], flush=True)
+"""
+
+
+def test_sigint_while_the_host_program_prints_stops_the_answer(cli, long_tiny):
+    """The first Ctrl-C may land anywhere in the program that streams the answer (llm
+    printing a chunk, not waiting on the engine): it must end the answer there, not raise
+    KeyboardInterrupt through the program (llm printed "Aborted!" and exited 1 about one run
+    in eight when that happened between tokens)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C_WHILE_PRINTING],
+        env=cli.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ENDED cancelled" in proc.stdout, proc.stdout + proc.stderr
+    assert "KeyboardInterrupt" not in proc.stderr
+
+
 def test_sigint_during_decode_logs_the_partial_turn_and_llm_c_continues(cli, long_tiny):
     run = answering(cli, long_tiny)
     shown = run.wait_for_output()

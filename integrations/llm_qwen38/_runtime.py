@@ -383,22 +383,31 @@ def execute(model: Any, prompt: llm.Prompt, response: Any, conversation: Any) ->
     engine.cancel_at_exit(request.cancel)
     q: queue.Queue = queue.Queue()
     engine.submit(_work, request, q.put)
+    from qwen38_backend.interrupts import first_sigint_cancels
+
     translate = _Translator(response)
+
+    def interrupted() -> None:
+        _note("interrupted: stopping at the next token (Ctrl-C again to quit now)")
+
+    # the handler stays while llm prints a chunk between yields: a Ctrl-C there must stop the
+    # engine, not abort llm
     try:
-        while True:
-            try:
-                item = q.get()
-            except KeyboardInterrupt:
-                if request.cancel.is_set():
-                    raise
-                request.cancel.set()
-                _note("interrupted: stopping at the next token (Ctrl-C again to quit now)")
-                continue
-            if item is _END:
-                break
-            if isinstance(item, _Error):
-                _raise(item.exc)
-            yield from translate(item)
+        with first_sigint_cancels(request.cancel, interrupted):
+            while True:
+                try:
+                    item = q.get()
+                except KeyboardInterrupt:  # off the main thread: no handler was set
+                    if request.cancel.is_set():
+                        raise
+                    request.cancel.set()
+                    interrupted()
+                    continue
+                if item is _END:
+                    break
+                if isinstance(item, _Error):
+                    _raise(item.exc)
+                yield from translate(item)
     finally:
         request.cancel.set()  # an abandoned stream stops the engine at the next token
         engine.forget_cancel(request.cancel)
