@@ -2,7 +2,8 @@
 
 One model and one prefix store per example; prompts of random lengths that share, extend,
 shorten or edit what is cached (across page, chunk and buffer-growth boundaries), follow-ups,
-rewinds, cache on and off, contiguous and paged stores. Every call's greedy tokens must equal
+rewinds, Ctrl-C mid-answer (the session's cancel), cache on and off, contiguous and paged
+stores, drafting on and off. Every call's greedy tokens must equal
 the same call on a fresh state with the cache off (the reference). Where the reference itself
 had a near-tie (top-2 logits within TIE), chunking may legitimately round the other way, so
 the comparison stops at that step.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import threading
 
 import mlx.core as mx
 import pytest
@@ -81,15 +83,18 @@ def reference(model, ids: list[int], max_tokens: int, kv: dict) -> tuple[list[in
 
 
 @contextlib.contextmanager
-def spy_tokens(model):
+def spy_tokens(model, cancel: threading.Event | None = None, cancel_after: int = 0):
     """Record the token ids the engine streams to the session (the last one is sampled but
-    never fed back, so the state alone does not show it)."""
+    never fed back, so the state alone does not show it); with `cancel_after`, set `cancel`
+    as that many tokens have come (a Ctrl-C mid-answer)."""
     seen: list[int] = []
     decode = model.decode
 
     def recording(*args, **kwargs):
         for token in decode(*args, **kwargs):
             seen.append(token)
+            if cancel is not None and len(seen) == cancel_after:
+                cancel.set()
             yield token
 
     model.decode = recording
@@ -113,7 +118,8 @@ def assert_same_stream(got: list[int], want: list[int], margins: list[float], wh
 
 
 def prompts(vocab: int, max_len: int):
-    """A list of operations: (kind, cut, extension, max_tokens, cache, kv, rewind, draft)."""
+    """A list of operations: (kind, cut, extension, max_tokens, cache, kv, rewind, draft,
+    cancel_after: 0 = never)."""
     op = st.tuples(
         st.sampled_from(["extend", "extend", "edit", "fresh"]),
         st.integers(0, 24),  # edit: tokens cut from the end of what is cached
@@ -123,6 +129,7 @@ def prompts(vocab: int, max_len: int):
         st.integers(0, len(KV_CHOICES) - 1),
         st.integers(0, 3),
         st.integers(0, len(DRAFT_CHOICES) - 1),
+        st.sampled_from([0, 0, 1, 2, 4]),
     )
     return st.lists(op, min_size=2, max_size=6)
 
@@ -132,7 +139,8 @@ def run_sequence(model, ops, max_window: int) -> None:
         store = PrefixStore(tmp)
         session = model.session(cache=store, admission=False)
         previous: list[int] = []
-        for n, (kind, cut, extra, max_tokens, cache, kv_index, rewind, draft) in enumerate(ops):
+        for n, op in enumerate(ops):
+            kind, cut, extra, max_tokens, cache, kv_index, rewind, draft, cancel_after = op
             if kind == "extend":  # a follow-up: everything so far plus new tokens
                 ids = previous + extra
             elif kind == "edit":  # an earlier turn edited: a cut of what is cached, then new
@@ -142,14 +150,20 @@ def run_sequence(model, ops, max_window: int) -> None:
             ids = ids[-max_window:]
             kv = KV_CHOICES[kv_index]
             session.cache = cache
-            with spy_tokens(model) as got:
+            cancel = threading.Event()
+            options = {**kv, **DRAFT_CHOICES[draft]}
+            with spy_tokens(model, cancel, cancel_after) as got:
                 events = list(
                     session.generate(
-                        ids, max_tokens=max_tokens, stop_token_ids=[], **kv, **DRAFT_CHOICES[draft]
+                        ids, max_tokens=max_tokens, stop_token_ids=[], cancel=cancel, **options
                     )
                 )
             assert events[-1].type == "done" and events[-1].usage["generated"] == len(got)
             want, margins = reference(model, ids, max_tokens, kv)
+            if 0 < cancel_after < max_tokens:  # cut short after the token it came at
+                assert len(got) == cancel_after, f"call {n}: cancel after {cancel_after}"
+                assert session.last_stats.finish_reason == "cancelled"
+                want = want[:cancel_after]
             assert_same_stream(got, want, margins, f"call {n} ({kind})")
             previous = session.state.tokens
             if rewind and session.state.can_rewind_to(session.state.offset - rewind):
