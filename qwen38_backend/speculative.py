@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -330,7 +330,9 @@ def decode(
         limit = options.tokens if len(pending) > 1 else 1
 
 
-def _lookup_ends(context: list[int], k: int, throttles: dict[int, Throttle], stats):
+def _lookup_ends(
+    context: list[int], k: int, throttles: dict[int, Throttle], stats
+) -> Callable[[int], bool]:
     """For a plain run in n-gram mode: after each token read back, whether the context so far
     has a draft its throttle allows (the run then ends after the step already in flight, and
     the next lookup drafts from one token later)."""
@@ -354,7 +356,7 @@ def _plain_run(
     count: int,
     stats,
     track: drafts.MTPTrack | None,
-    ends=None,
+    ends: Callable[[int], bool] | None = None,
 ) -> Iterator[int]:
     """Up to `count` tokens after `last` by plain steps, each next step queued before this
     token is read back (as Model.decode: the device does not wait for the host between
