@@ -173,6 +173,8 @@ class SequenceState:
         """Record tokens the model has just consumed (ids may still be lazy)."""
         if isinstance(ids, mx.array):
             self._pending.append(ids.reshape(-1))
+        elif self._pending:  # behind tokens not read back yet: keep the order, no sync
+            self._pending.append(mx.array([int(i) for i in ids], dtype=mx.int32))
         else:
             self._tokens.extend(int(i) for i in ids)
 

@@ -579,6 +579,39 @@ def test_paused_drafting_decodes_pipelined(request, monkeypatch, which):
         mtp_history_matches_the_trunk(model, state)
 
 
+def test_tokens_keep_their_order_when_fed_ids_follow_unread_ones():
+    """A plain run feeds tokens still on the device; a round or the next run then feeds host
+    ids: the sequence's token record keeps the order they were fed in (an ordered record
+    is what prefix reuse matches against)."""
+    from qwen38_backend.state import SequenceState
+
+    state = SequenceState([])
+    state.advance([1, 2])
+    state.advance(mx.array([3], dtype=mx.uint32))
+    state.advance([4])
+    state.advance(mx.array([5, 6]))
+    state.advance([7])
+    assert state.offset == 7 and state.tokens == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_drafted_stream_records_what_it_fed(dense, monkeypatch):
+    """Drafting that keeps failing runs plain steps with tokens still on the device (a
+    paused throttle, a lookup ending a run), and near max_tokens (no room for a draft) feeds
+    host ids after them: the state's tokens are the prompt and every token but the last, in
+    order, at every length (a follow-up reused a scrambled record and answered differently
+    from a cold run)."""
+    use_drafts(monkeypatch, lambda tokens, k: [1] * k)  # never right: rounds, pauses, runs
+    prompt = [124]
+    plain, _ = run(dense, prompt, 40, stop_token_ids=[], draft="off")
+    assert 1 not in plain
+    for n in range(2, 41):
+        state = dense.new_state()
+        params = SamplingParams(max_tokens=n, stop_token_ids=[])
+        tokens = list(dense.run(prompt, state, params, DraftOptions("ngram", 3)))
+        assert tokens == plain[:n]
+        assert state.tokens == prompt + tokens[:-1], n
+
+
 # ----- sessions: text, rewind, state files ---------------------------------------------------
 def test_session_text_and_fallbacks(dense):
     session = dense.session(cache=False)
