@@ -125,20 +125,23 @@ class MTPTrack:
         self.positions.extend(range(first, first + len(nxt)))
         self.queue = []
 
-    def draft(self, net: Any, next_token: int, k: int) -> tuple[list[int], int]:
-        """k greedy draft tokens after `next_token` (the decided token at position seen);
-        returns them and the head's entry count to cut back to after the verify."""
+    def draft(self, net: Any, next_token: int, k: int) -> tuple[mx.array, int]:
+        """k greedy draft tokens after `next_token` (the decided token at position seen), as
+        a device array [k]: not read back one by one (each read would stall the device),
+        the verify takes them as they are and reads them with its own tokens. Returns them
+        and the head's entry count to cut back to after the verify."""
         self.flush(net)
         assert self.last is not None
-        feats, token = self.last, next_token
+        feats, token = self.last, mx.array([next_token], dtype=mx.int32)
         self.positions.append(self.seen - 1)
         keep = len(self.positions)
-        out: list[int] = []
+        out: list[mx.array] = []
         for _ in range(k):
-            feats = net.mtp_advance(feats, mx.array([token], dtype=mx.int32), self.state)
-            token = int(mx.argmax(net.mtp_logits(feats)[-1].astype(mx.float32)).item())
+            feats = net.mtp_advance(feats, token, self.state)
+            logits = net.mtp_logits(feats)[-1].astype(mx.float32)
+            token = mx.argmax(logits, keepdims=True).astype(mx.int32)
             out.append(token)
-        return out, keep
+        return mx.concatenate(out), keep
 
     def settle(self, keep: int, features: mx.array, fed: list[int]) -> None:
         """After a verify: drop the head's entries past `keep` (computed from chained draft

@@ -292,7 +292,7 @@ def decode(
                 return
         last = token  # pending's last (pending may be a plain run's generator)
         k = min(limit, params.max_tokens - n - 1)  # never decide more than max_tokens allows
-        draft: list[int] = []
+        draft: list[int] | mx.array = []  # the MTP head's stay on the device
         keep = kind = 0
         if k > 0 and gate:
             gate = gate_open(state, state.offset + k + 2)  # k+1 rows, one of margin
@@ -314,7 +314,7 @@ def decode(
                     draft, keep = track.draft(model.net, last, k)
                 else:
                     run = throttle.resume_at - n
-        if not draft:
+        if len(draft) == 0:
             # no drafts for a while: plain steps, pipelined as Model.decode's
             remaining = params.max_tokens - n
             run = min(run or (1 if gate and k > 0 else remaining), remaining)
@@ -398,7 +398,7 @@ def _round(
     model: Model,
     state: SequenceState,
     last: int,
-    draft: list[int],
+    draft: list[int] | mx.array,
     sampler: Sampler,
     history: list[int],
     stats,
@@ -420,12 +420,17 @@ def _round(
     # room for the round's rows first: appending them moves no live buffer (KV, indexer
     # keys), so a rejected round only cuts back
     state.reserve(len(draft) + 1)
-    feats = model.forward_features([last, *draft], state)
+    if isinstance(draft, mx.array):  # device drafts: read back with the verify's tokens
+        ids = mx.concatenate([mx.array([last], dtype=mx.int32), draft.astype(mx.int32)])
+    else:
+        ids = [last, *draft]
+    feats = model.forward_features(ids, state)
     logits = model.net.logits_from_features(feats)
     # greedy: every row's token in one read-back (the argmax a plain step takes, row-wise)
     picks = mx.argmax(logits.astype(mx.float32), axis=-1) if sampler.params.greedy else None
-    mx.eval(logits, picks)
+    mx.eval([a for a in (logits, picks, ids) if isinstance(a, mx.array)])
     picks = picks.tolist() if picks is not None else None
+    draft = ids.tolist()[1:] if isinstance(ids, mx.array) else draft
     decided: list[int] = []
     for i in range(len(draft) + 1):
         if picks is not None:
