@@ -94,13 +94,23 @@ def main() -> None:
         help="skip the dense decode (with spilled pages it streams the whole past from disk)",
     )
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--layers-ahead",
+        type=int,
+        default=None,
+        help="state.PREFILL_LAYERS_AHEAD: prefill layers queued ahead of the one waited for",
+    )
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import mlx.core as mx
 
+    from qwen38_backend import state as state_module
     from qwen38_backend.kv import collect_kv_stats
+
+    if args.layers_ahead is not None:
+        state_module.PREFILL_LAYERS_AHEAD = args.layers_ahead
 
     model, config, weights_bytes = random_model(args.dims, args.layers, args.dtype)
     vocab = config["text_config"]["vocab_size"]
@@ -112,6 +122,7 @@ def main() -> None:
         "prefill_chunk": model.prefill_chunk,
         "weights_bytes": weights_bytes,
         "budget": args.budget,
+        "prefill_layers_ahead": state_module.PREFILL_LAYERS_AHEAD,
         "lengths": {},
     }
     kv = {"kv_paged": "on", "kv_topk": args.budget}
