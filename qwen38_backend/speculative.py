@@ -421,7 +421,7 @@ def _round(
     # keys), so a rejected round only cuts back
     state.reserve(len(draft) + 1)
     if isinstance(draft, mx.array):  # device drafts: read back with the verify's tokens
-        ids = mx.concatenate([mx.array([last], dtype=mx.int32), draft.astype(mx.int32)])
+        ids = mx.concatenate([mx.array([last], dtype=mx.int32), draft])
     else:
         ids = [last, *draft]
     feats = model.forward_features(ids, state)
