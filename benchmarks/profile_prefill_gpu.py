@@ -131,9 +131,16 @@ def gdn_parts(block, st, h: mx.array, offset: int, reps: int) -> dict:
     x = block.input_layernorm(h)
     qkv, z, _, _ = mixer._project(x)
     seen: dict = {}  # the core's real inputs (gates, prepared q/k, state), from a real call
-    with captured(gdn, "prepare_qk", seen), captured(gdn, "chunked_gated_delta", seen):
+    with captured(gdn, "chunked_gated_delta", seen):
         mixed = through(lambda s: mixer(x, s))()[0]
-    mx.eval(x, qkv, z, mixed, [a for c in seen.values() for a in c if isinstance(a, mx.array)])
+    # prepare_qk runs compiled (gdn.compiled_with): its inputs from the conv's output
+    conv = through(lambda s: mixer._conv(qkv, s))()[0]
+    q = conv[:, : mixer.key_dim].reshape(T, mixer.n_k_heads, mixer.k_head_dim)
+    k = conv[:, mixer.key_dim : 2 * mixer.key_dim].reshape(T, mixer.n_k_heads, mixer.k_head_dim)
+    prepare = gdn.compiled_with(gdn.prepare_qk, n_v_heads=mixer.n_v_heads)
+    mx.eval(
+        x, qkv, z, mixed, q, k, [a for c in seen.values() for a in c if isinstance(a, mx.array)]
+    )
     core = functools.partial(gdn.chunked_gated_delta, *seen["chunked_gated_delta"])
     o = core(**KEYWORDS["chunked_gated_delta"])[0].astype(x.dtype)
     z = z.reshape(T, mixer.n_v_heads, mixer.v_head_dim)
@@ -143,7 +150,7 @@ def gdn_parts(block, st, h: mx.array, offset: int, reps: int) -> dict:
         "input_norm": timed(lambda: block.input_layernorm(h), reps),
         "in_proj": timed(lambda: mixer._project(x), reps),
         "conv": timed(through(lambda s: mixer._conv(qkv, s)), reps),
-        "prepare_qk": timed(lambda: gdn.prepare_qk(*seen["prepare_qk"]), reps),
+        "prepare_qk": timed(lambda: prepare(q, k), reps),
         "chunked_gated_delta": timed(lambda: core(**KEYWORDS["chunked_gated_delta"]), reps),
         # the same on the op path (the engine's solve and scan on CUDA are one kernel
         # launch each, kernels/gdn_prefill.py, where their probes pass)

@@ -260,24 +260,16 @@ def supported(dk: int, dv: int, chunk: int) -> bool:
     )
 
 
-# Kernels whose GPU tests and timing have not run on a device yet: on only when asked
-# (QWEN38_GDN_PREFILL_KERNEL=force), until they have.
-UNMEASURED = frozenset({"solve"})
-
-
 @functools.cache
 def available(kind: str, dk: int, dv: int, chunk: int) -> bool:
     """True when kernel `kind` ("solve" or "scan") runs here and agrees with the op path on
     random inputs (`probe`, once per shape); else False, with a warning when it ran but
-    disagreed. QWEN38_GDN_PREFILL_KERNEL: auto | off | force (skip the probe; also turns on
-    the UNMEASURED kernels)."""
+    disagreed. QWEN38_GDN_PREFILL_KERNEL: auto | off | force (skip the probe)."""
     choice = os.environ.get("QWEN38_GDN_PREFILL_KERNEL", "auto")
     if choice == "off" or not supported(dk, dv, chunk):
         return False
     if choice == "force":
         return True
-    if kind in UNMEASURED:
-        return False
     why = probe(kind, dk, dv, chunk)
     if why is not None:
         warnings.warn(f"GDN chunk {kind} kernel {why}; using the op path", stacklevel=2)

@@ -20,7 +20,10 @@ from .errors import Qwen38Error
 from .rows import STEP_MAX_ROWS
 
 # Prefill layers queued on the device ahead of the one the host waits for (layer_built).
-PREFILL_LAYERS_AHEAD = 2
+# 1, measured on the H200 (64 layers, 27B dims, 32K, same run): peak over weights + KV
+# 1.083x vs 1.113x with 2, prefill 4,436 vs 4,561 tok/s
+# (benchmarks/results/h200/depth32k_ahead1.json, depth32k_ahead2.json).
+PREFILL_LAYERS_AHEAD = 1
 
 
 @runtime_checkable

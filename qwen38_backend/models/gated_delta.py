@@ -39,6 +39,55 @@ def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     return x * mx.rsqrt(mx.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def causal_conv(xp: mx.array, w: mx.array) -> mx.array:
+    """Causal depthwise conv + SiLU: xp [K - 1 + T, C] (the history, then T rows), w [C, K]
+    -> [T, C], in xp's dtype."""
+    K = w.shape[1]
+    T = xp.shape[0] - K + 1
+    out = xp[0:T] * w[:, 0]
+    for j in range(1, K):
+        out = out + xp[j : j + T] * w[:, j]
+    return nn.silu(out)
+
+
+def gates(
+    a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array
+) -> tuple[mx.array, mx.array]:
+    """(g, beta) fp32 [T, Hv] from the a and b projections: the log decay
+    g = -exp(A_log) softplus(a + dt_bias) and the write strength beta = sigmoid(b)."""
+    f32 = mx.float32
+    g = -mx.exp(A_log.astype(f32)) * nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+    return g, mx.sigmoid(b.astype(f32))
+
+
+def gated_rms_norm(
+    o: mx.array, z: mx.array, weight: mx.array, eps: float, activation: str
+) -> mx.array:
+    """weight * rmsnorm(o) (statistic in fp32) * act(z), in o's dtype; o, z [T, Hv, Dv]."""
+    dtype = o.dtype
+    xh = mx.fast.rms_norm(o.astype(mx.float32), None, eps).astype(dtype)
+    zf = z.astype(mx.float32)
+    gate = nn.silu(zf) if activation == "silu" else mx.sigmoid(zf)
+    return (weight * xh * gate).astype(dtype)
+
+
+# The pieces compiled once for every layer (module-level: a trace per input shape, shared by
+# all layers): the prefill path's elementwise chains fuse into one kernel each instead of
+# ~10 passes over [T, C] (its conv was 0.6 ms of a 6.2 ms 27B block per 2048-token chunk on
+# the H200, benchmarks/results/h200/profile_prefill_4k_solve_kernel.json).
+compiled_conv = mx.compile(causal_conv)
+compiled_gates = mx.compile(gates)
+_COMPILED_WITH: dict[tuple, Callable] = {}
+
+
+def compiled_with(fn: Callable, **constants: object) -> Callable:
+    """`fn` with keyword `constants` bound, compiled once per distinct constants."""
+    key = (fn, *sorted(constants.items()))
+    if key not in _COMPILED_WITH:
+        _COMPILED_WITH[key] = mx.compile(partial(fn, **constants))
+    return _COMPILED_WITH[key]
+
+
 def prepare_qk(q: mx.array, k: mx.array, n_v_heads: int) -> tuple[mx.array, mx.array]:
     """fp32 l2-normed q (also scaled by Dk^-0.5) and k, repeated to the value heads.
 
@@ -222,28 +271,18 @@ def gdn_core(
     T, dtype = qkv.shape[0], qkv.dtype
     K = conv_w.shape[1]
     xp = mx.concatenate([hist, qkv], axis=0)
-    conv = xp[0:T] * conv_w[:, 0]
-    for j in range(1, K):
-        conv = conv + xp[j : j + T] * conv_w[:, j]
-    conv = nn.silu(conv)
+    conv = causal_conv(xp, conv_w)
     q = conv[:, : Hk * Dk].reshape(T, Hk, Dk).astype(mx.float32)
     k = conv[:, Hk * Dk : 2 * Hk * Dk].reshape(T, Hk, Dk).astype(mx.float32)
     v = conv[:, 2 * Hk * Dk :].reshape(T, Hv, Dv).astype(mx.float32)
     q = l2norm(q) * (Dk**-0.5)
     k = l2norm(k)
-    beta = mx.sigmoid(b.astype(mx.float32))
-    g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(
-        a.astype(mx.float32) + dt_bias.astype(mx.float32)
-    )
+    g, beta = gates(a, b, A_log, dt_bias)
     o, S = mx.fast.gated_delta_update(
         q[None], k[None], v[None], mx.exp(g)[None], beta[None], S[None]
     )
-    o = o[0].astype(dtype)
-    xh = mx.fast.rms_norm(o.astype(mx.float32), None, eps).astype(dtype)
-    y = norm_w * xh
-    zf = z.reshape(T, Hv, Dv).astype(mx.float32)
-    gate = nn.silu(zf) if activation == "silu" else mx.sigmoid(zf)
-    return (y * gate).astype(dtype).reshape(T, Hv * Dv), xp[-(K - 1) :], S[0]
+    o = gated_rms_norm(o[0].astype(dtype), z.reshape(T, Hv, Dv), norm_w, eps, activation)
+    return o.reshape(T, Hv * Dv), xp[-(K - 1) :], S[0]
 
 
 _COMPILED: dict[CoreSpec, Callable] = {}

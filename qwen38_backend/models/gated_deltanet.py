@@ -20,7 +20,11 @@ from .gated_delta import (
     CHUNK,
     CoreSpec,
     chunked_gated_delta,
+    compiled_conv,
+    compiled_gates,
+    compiled_with,
     decode_core,
+    gated_rms_norm,
     gdn_core,
     prepare_qk,
 )
@@ -123,12 +127,8 @@ class RMSNormGated(nn.Module):
         self.weight = mx.ones((dims,))
 
     def __call__(self, o: mx.array, z: mx.array) -> mx.array:
-        dtype = o.dtype
-        xh = mx.fast.rms_norm(o.astype(mx.float32), None, self.eps).astype(dtype)
-        y = self.weight * xh
-        zf = z.astype(mx.float32)
-        gate = nn.silu(zf) if self.activation == "silu" else mx.sigmoid(zf)
-        return (y * gate).astype(dtype)
+        norm = compiled_with(gated_rms_norm, eps=self.eps, activation=self.activation)
+        return norm(o, z, self.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -183,12 +183,7 @@ class GatedDeltaNet(nn.Module):
         # a copy: a slice would be a view that keeps the whole chunk's xp [T + K - 1, C]
         # alive in the state until the next chunk (every layer's, at a prefill's peak)
         state.conv = mx.contiguous(xp[-(K - 1) :])
-        w = self.conv1d.weight[:, :, 0].astype(x.dtype)  # [C, K]
-        T = x.shape[0]
-        out = xp[0:T] * w[:, 0]
-        for j in range(1, K):
-            out = out + xp[j : j + T] * w[:, j]
-        return nn.silu(out)
+        return compiled_conv(xp, self.conv1d.weight[:, :, 0].astype(x.dtype))
 
     def __call__(self, x: mx.array, state: GatedDeltaNetState) -> mx.array:
         """x [T, hidden] (already normed) -> [T, hidden]; advances `state`."""
@@ -203,12 +198,8 @@ class GatedDeltaNet(nn.Module):
         k = qkv[:, self.key_dim : 2 * self.key_dim].reshape(T, Hk, Dk)
         v = qkv[:, 2 * self.key_dim :].reshape(T, Hv, Dv)
         z = z.reshape(T, Hv, Dv)
-        beta = mx.sigmoid(b.astype(mx.float32))
-        a = a.astype(mx.float32)
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
-            a + self.dt_bias.astype(mx.float32)
-        )
-        q, k = prepare_qk(q, k, Hv)
+        g, beta = compiled_gates(a, b, self.A_log, self.dt_bias)
+        q, k = compiled_with(prepare_qk, n_v_heads=Hv)(q, k)
         S = state.recurrent
         # the state is kept as [Hv, Dv, Dk] (the fused kernel's layout); the chunked form
         # works on [Hv, Dk, Dv]
