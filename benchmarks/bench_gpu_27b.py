@@ -61,7 +61,12 @@ def prompt(length: int, vocab: int) -> list[int]:
     return np.random.default_rng(0).integers(vocab // 100, vocab // 2, size=length).tolist()
 
 
-def bytes_per_token(config: dict, weights_bytes: int, depth: int, kv_itemsize: int) -> int:
+def bytes_per_token(
+    config: dict, weights_bytes: int, depth: int, kv_itemsize: int, embed_bytes: int | None = None
+) -> int:
+    """Bytes one decode step reads at `depth`: the weights but the embedding (one row of it),
+    the KV and the Gated DeltaNet states. embed_bytes: the embedding's stored bytes (None:
+    unquantized, vocab x hidden x kv_itemsize)."""
     tc = config["text_config"]
     attn = sum(1 for t in tc["layer_types"] if t == "full_attention")
     gdn = len(tc["layer_types"]) - attn
@@ -75,7 +80,9 @@ def bytes_per_token(config: dict, weights_bytes: int, depth: int, kv_itemsize: i
         * 2
     )  # fp32 state read + written
     # the embedding is looked up one row per token, not read whole
-    embed = tc["vocab_size"] * tc["hidden_size"] * kv_itemsize
+    embed = (
+        tc["vocab_size"] * tc["hidden_size"] * kv_itemsize if embed_bytes is None else embed_bytes
+    )
     return weights_bytes - embed + embed // tc["vocab_size"] + kv + state
 
 
@@ -84,11 +91,42 @@ def _median(values: list[float]) -> dict:
 
 
 # ----- workers ---------------------------------------------------------------------------------
-def random_model(dims: str, layers: int, dtype_name: str, group=None):
-    """(Model, config, weight bytes): the family built with device-side random weights;
-    split over `group`'s ranks when given (the same weights on every rank, then cut)."""
+def quantize_random(net, bits: int, group_size: int = 64) -> None:
+    """MLX affine quantization of every linear and embedding whose input width divides into
+    groups (what an mlx-community 4-bit checkpoint of the model holds), in place."""
     import mlx.core as mx
-    from mlx.utils import tree_unflatten
+    import mlx.nn as nn
+
+    def predicate(_path: str, module) -> bool:
+        weight = getattr(module, "weight", None)
+        return (
+            isinstance(module, (nn.Linear, nn.Embedding))
+            and weight is not None
+            and weight.shape[-1] % group_size == 0
+        )
+
+    nn.quantize(net, group_size=group_size, bits=bits, class_predicate=predicate)
+    mx.eval(net.parameters())
+
+
+def embed_bytes(net) -> int:
+    """Stored bytes of the token embedding (quantized or not)."""
+    from mlx.utils import tree_flatten
+
+    for name, module in net.named_modules():
+        if name.endswith("embed_tokens"):
+            return sum(p.nbytes for _, p in tree_flatten(module.parameters()))
+    raise ValueError("no embed_tokens module")
+
+
+def random_model(
+    dims: str, layers: int, dtype_name: str, group=None, bits: int = 0, group_size: int = 64
+):
+    """(Model, config, weight bytes): the family built with device-side random weights;
+    split over `group`'s ranks when given (the same weights on every rank, then cut);
+    `bits` > 0: then quantized (quantize_random)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
 
     from qwen38_backend.engine import Model
     from qwen38_backend.loading import Weights
@@ -102,6 +140,9 @@ def random_model(dims: str, layers: int, dtype_name: str, group=None):
     nbytes = sum(w.nbytes for w in weights.values())
     net.update(tree_unflatten(list(weights.items())))
     del weights
+    if bits:
+        quantize_random(net, bits, group_size)
+        nbytes = sum(p.nbytes for _, p in tree_flatten(net.parameters()))
     if group is not None and group.size() > 1:
         net.shard(group)
         mx.eval(net.parameters())
@@ -148,8 +189,10 @@ def worker_ours(args) -> dict:
         from qwen38_backend.models.layers import PreNormBlock
 
         PreNormBlock.compile_decode = False
-    model, config, nbytes = random_model(args.dims, args.layers, args.dtype)
-    result = {"weights_bytes": nbytes, "lengths": {}}
+    model, config, nbytes = random_model(
+        args.dims, args.layers, args.dtype, bits=args.bits, group_size=args.group_size
+    )
+    result = {"weights_bytes": nbytes, "embed_bytes": embed_bytes(model.net), "lengths": {}}
     # warm-up: the first prefill compiles kernels (it ran at ~200 tok/s on the H200)
     warm = model.new_state()
     mx.eval(model.prefill(prompt(args.chunk, config["text_config"]["vocab_size"]), warm))
@@ -177,6 +220,8 @@ def worker_mlx_lm(args) -> dict:
     weights = model.sanitize(random_weights(shapes, dtype))
     model.load_weights(list(weights.items()), strict=False)
     del weights
+    if args.bits:
+        quantize_random(model, args.bits, args.group_size)
     mx.eval(model.parameters())
     result = {"lengths": {}}
     warm = generate_step(
@@ -212,6 +257,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=4096, help="our prefill chunk")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--bits", type=int, default=0, choices=[0, 2, 3, 4, 5, 6, 8], help="0: none")
+    ap.add_argument("--group-size", type=int, default=64, help="quantization group size")
     ap.add_argument("--peer", choices=["mlx-lm", "none"], default="mlx-lm")
     ap.add_argument("--peer-lengths", default=None, help="lengths for the peer (default: same)")
     ap.add_argument("--peer-runs", type=int, default=None)
@@ -234,8 +281,8 @@ def main() -> None:
     def spawn(which: str, lengths: list[int], runs: int, op_by_op: bool = False) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which]
         cmd += ["--op-by-op"] if op_by_op else []
-        for k in ("dims", "layers", "decode", "chunk", "dtype"):
-            cmd += [f"--{k}", str(getattr(args, k))]
+        for k in ("dims", "layers", "decode", "chunk", "dtype", "bits", "group_size"):
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         cmd += ["--lengths", ",".join(map(str, lengths)), "--runs", str(runs)]
         return run_json_worker(cmd)
 
@@ -247,6 +294,8 @@ def main() -> None:
         "dims": args.dims,
         "layers": args.layers,
         "dtype": args.dtype,
+        "bits": args.bits or None,
+        "group_size": args.group_size if args.bits else None,
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "bound_bytes_s": args.bound_gbps * 1e9,
@@ -266,7 +315,11 @@ def main() -> None:
         if not ours:
             continue
         per_token = bytes_per_token(
-            config, result["ours"]["weights_bytes"], length + args.decode // 2, itemsize
+            config,
+            result["ours"]["weights_bytes"],
+            length + args.decode // 2,
+            itemsize,
+            result["ours"].get("embed_bytes"),
         )
         for name in ("ours", "ours_op_by_op", "mlx_lm"):
             entry = result.get(name, {}).get("lengths", {}).get(key)
