@@ -17,10 +17,9 @@ fused SDPA).
 Stores call `attend_past(q, past_len, blocks, k, v, scale, ...)`: when the past fits one
 block (or the scores are small: ONE_SHOT_BYTES) it runs one `scaled_dot_product_attention`
 over [past + chunk] (short prompts keep the fused path); otherwise it runs the carry over
-`blocks(keys per block)`, an iterable of K/V blocks [1, Hkv, B, D]. A block may come with
-a third item `True` to say it is transient (read from the spill file): the carry is then
-evaluated after it, so the block's memory is freed before the next one is read instead of
-the lazy graph holding the whole past.
+`blocks(keys per block)`, an iterable of K/V blocks [1, Hkv, B, D]. Every block is handed to
+the device as soon as it comes and the walk waits for the one before it, so at most two
+blocks are alive whether they are views of the pool or read back from the spill file.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ ONE_SHOT_BYTES = 128 << 20
 # in flight); admission plans with it.
 SCORE_BLOCKS_LIVE = 5
 
-Block = tuple[mx.array, mx.array] | tuple[mx.array, mx.array, bool]
+Block = tuple[mx.array, mx.array]
 
 
 def walk_block(heads: int, rows: int, most: int = BLOCK_TOKENS, unit: int = 1) -> int:
@@ -120,18 +119,17 @@ def blocked_attention(
     # rounded to the keys' dtype for the matmuls).
     qs = (q.squeeze(0).astype(mx.float32) * scale).astype(k.dtype).reshape(hkv, group * T, d)
     carry = queued = None
-    for block in blocks:
-        kb, vb = block[0], block[1]
+    for kb, vb in blocks:
         if kb.shape[2] == 0:
             continue
         carry = _carry_step(qs, kb.squeeze(0), vb.squeeze(0), carry)
-        if len(block) > 2 and block[2]:
-            mx.eval(carry)  # a transient block (read from disk) is freed at once
-        else:
-            mx.async_eval(carry)
-            if queued is not None:
-                mx.eval(queued)  # the block before: one block queued behind this one
-            queued = carry
+        # A block read from the spill file is queued like any other (no sync per block: the
+        # device keeps computing while the host reads and uploads the next one); waiting for
+        # the block before bounds what is alive to two blocks.
+        mx.async_eval(carry)
+        if queued is not None:
+            mx.eval(queued)  # the block before: one block queued behind this one
+        queued = carry
     # The chunk itself: query row r (position r % T within the chunk) sees keys <= r % T.
     rows = mx.arange(T)[:, None] >= mx.arange(T)[None, :]  # [T, T]
     mask = mx.broadcast_to(rows[None], (group, T, T)).reshape(1, group * T, T)

@@ -339,8 +339,8 @@ class PagedKV:
 
     def _past_blocks(self, past: int, block: int):
         """K/V of rows [0, past) in page-aligned blocks [1, Hkv, B, D]. Blocks holding
-        spilled pages are read one block ahead (the read overlaps this block's compute) and
-        marked transient, so the walk frees each before the next is read."""
+        spilled pages are read one block ahead (the read overlaps this block's compute); the
+        walk keeps at most two blocks alive (kv/blocked.py)."""
         blocks = list(spans(past, block))
         if not self.table.n_spilled:
             for a, b in blocks:
@@ -362,7 +362,7 @@ class PagedKV:
                 if more:
                     ahead = region.read_async(more)
             kb, vb = self._assemble(a, b, fetched) if pages else self._span(a, b)
-            yield kb[None], vb[None], bool(pages)
+            yield kb[None], vb[None]
 
     def _fetch(self, pages: list[int]) -> list[int]:
         """Bring spilled pages back into slots (batched reads); returns their slots. The
