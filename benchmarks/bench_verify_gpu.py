@@ -105,17 +105,17 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
         "plain_one_row_products_tok_s": one_row_rate,
         "by_p": {},
     }
-    real = drafts.ngram_match
+    real = drafts.NgramIndex.match
     try:
         for p in (float(x) for x in args.p.split(",")):
             rng = np.random.default_rng(0)
 
-            def oracle(tokens, k, max_n=3, p=p, rng=rng):
-                done = len(tokens) - len(ids)
+            def oracle(index, k, p=p, rng=rng):
+                done = len(index.tokens) - len(ids)
                 want = plain[done : done + k]
                 return [t if rng.random() < p else (t + 1) % vocab for t in want], 3
 
-            drafts.ngram_match = oracle
+            drafts.NgramIndex.match = oracle
             by_k = {}
             for k in range(1, args.max_k + 1):
                 speed, stats, tokens = rate(draft="ngram", draft_tokens=k)
@@ -140,7 +140,7 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
             with open(args.profile_out, "w") as f:
                 pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(40)
     finally:
-        drafts.ngram_match = real
+        drafts.NgramIndex.match = real
     return out
 
 

@@ -23,6 +23,8 @@ starts at the restored position.
 from __future__ import annotations
 
 import bisect
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,35 +37,99 @@ if TYPE_CHECKING:
     from .engine import Model
 
 MAX_NGRAM = 3
-LOOKBACK = 8192  # tokens searched for an earlier occurrence of the suffix
 FLUSH_ROWS = 64  # queued (features, token) pairs fed to the MTP head at once
-
-
-def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest
-    suffix (n = max_n..1) of `tokens`; [] when no suffix occurred before."""
-    return ngram_match(tokens, k, max_n)[0]
+TOKEN_BITS = 21  # an n-gram's key packs its ids, TOKEN_BITS each (any vocabulary < 2M ids)
+BULK_TOKENS = 32  # extend() keys a chunk at least this long with numpy, not token by token
 
 
 def ngram_match(tokens: list[int], k: int, max_n: int = MAX_NGRAM) -> tuple[list[int], int]:
-    """(draft, n): ngram_draft's tokens and the length n of the suffix that matched (0: none).
-    A match of one token only proposes one token (common tokens recur everywhere, and a
-    rejected draft token costs a verify row); speculative.py throttles each n apart."""
-    if k <= 0 or len(tokens) < 2:
+    """NgramIndex(tokens, max_n).match(k), for a one-off lookup (builds the index: O(len))."""
+    return NgramIndex(tokens, max_n).match(k)
+
+
+class NgramIndex:
+    """Prompt-lookup drafts over a growing token list, the whole of it, O(1) per token.
+
+    For each n = 1..max_n a dict maps an n-gram to the start of its most recent occurrence.
+    Appending a token looks up the n-grams it ends before recording them: that previous
+    start is the most recent EARLIER occurrence of the current suffix of length n (it may
+    overlap the suffix), so match() is a few list reads.
+    """
+
+    def __init__(self, tokens: Iterable[int] = (), max_n: int = MAX_NGRAM) -> None:
+        if max_n < 1:
+            raise ValueError(f"max_n must be at least 1, not {max_n}")
+        self.max_n = max_n
+        self.tokens: list[int] = []  # the whole list (read it, append through the index)
+        self._starts: list[dict[int, int]] = [{} for _ in range(max_n)]  # [n - 1]
+        self._match = [-1] * max_n  # [n - 1]: earlier start of the current n-suffix, -1 none
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        token = _checked(token)
+        tokens = self.tokens
+        tokens.append(token)
+        end, key = len(tokens), 0
+        for n in range(1, min(self.max_n, end) + 1):
+            key |= tokens[end - n] << (TOKEN_BITS * (n - 1))
+            starts = self._starts[n - 1]
+            self._match[n - 1] = starts.get(key, -1)
+            starts[key] = end - n
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        new = tokens if isinstance(tokens, list) else list(tokens)
+        if len(new) < BULK_TOKENS or self.max_n * TOKEN_BITS > 63:  # int64 keys
+            for token in new:
+                self.append(token)
+            return
+        self._extend_bulk(new)
+
+    def _extend_bulk(self, new: list[int]) -> None:
+        """extend() for a long chunk (a prompt): each n's keys by numpy, then one dict update
+        in order, so the most recent start of each n-gram is the one that stays."""
+        ids = np.asarray(new)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0:
+            raise ValueError(f"token ids must be integers in [0, 2**{TOKEN_BITS})")
+        _checked(int(ids.max()))
+        old = len(self.tokens)
+        self.tokens.extend(ids.tolist())
+        end = len(self.tokens)
+        base = max(old - self.max_n + 1, 0)  # the earliest token a new n-gram starts at
+        window = np.asarray(self.tokens[base:], dtype=np.int64)
+        for n in range(1, min(self.max_n, end) + 1):
+            first = max(old - n + 1, 0) - base  # new n-gram starts, in window coordinates
+            count = len(window) - n + 1 - first
+            keys = np.zeros(count, dtype=np.int64)
+            for i in range(n):
+                keys |= window[first + i : first + i + count] << (TOKEN_BITS * (n - 1 - i))
+            keys_list = keys.tolist()
+            starts, at = self._starts[n - 1], base + first
+            starts.update(zip(keys_list[:-1], range(at, at + count - 1), strict=True))
+            self._match[n - 1] = starts.get(keys_list[-1], -1)
+            starts[keys_list[-1]] = end - n
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        """(draft, n): up to k tokens that followed the most recent earlier occurrence of the
+        longest suffix (n = max_n..1) that occurred before, and that n; ([], 0) when none did.
+        A match of one token only proposes one token (common tokens recur everywhere, and a
+        rejected draft token costs a verify row); speculative.py throttles each n apart."""
+        if k <= 0:
+            return [], 0
+        for n in range(self.max_n, 0, -1):
+            start = self._match[n - 1]
+            if start >= 0:  # start + n < len: the suffix's start at the latest
+                return self.tokens[start + n : start + n + (k if n > 1 else 1)], n
         return [], 0
-    start = max(len(tokens) - LOOKBACK, 0)
-    arr = np.asarray(tokens[start:], dtype=np.int64)
-    size = len(arr)
-    for n in range(min(max_n, size - 1), 0, -1):
-        suffix = arr[size - n :]
-        # candidate starts j < size - n whose first token matches, most recent first
-        cands = np.nonzero(arr[: size - n] == suffix[0])[0][::-1]
-        for j in cands:
-            if np.array_equal(arr[j : j + n], suffix):
-                follow = arr[j + n : j + n + (k if n > 1 else 1)]
-                if len(follow):
-                    return [int(t) for t in follow], n
-    return [], 0
+
+
+def _checked(token: int) -> int:
+    token = operator.index(token)  # a numpy integer is fine, a float is not
+    if not 0 <= token < 1 << TOKEN_BITS:
+        raise ValueError(f"token id {token} is not in [0, 2**{TOKEN_BITS})")
+    return token
 
 
 @dataclass

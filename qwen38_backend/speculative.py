@@ -269,6 +269,10 @@ def decode(
     if track is not None:
         track.sync(state.offset)
     history: list[int] = []
+    # n-gram mode: the whole context (state.tokens + history), kept up to date as tokens are
+    # decided, so a lookup is O(1) and reaches back to the first token
+    index = drafts.NgramIndex(state.tokens) if options.mode == "ngram" else None
+    start = len(index) if index is not None else 0
     throttles: dict[int, Throttle] = {}  # by n-gram match length (MTP: 0)
     replays = _can_replay(state)
     n = 0
@@ -301,13 +305,14 @@ def decode(
                 track = None  # no more drafts: stop feeding the head (sync() catches up)
         run, ends = 0, None  # a plain run: its length, and what may end it early
         if k > 0 and gate:
-            if options.mode == "ngram":
-                context = state.tokens + [last]
-                draft, kind = drafts.ngram_match(context, k)
+            if index is not None:
+                _catch_up(index, start, history)
+                draft, kind = index.match(k)
                 if not throttles.setdefault(kind, Throttle()).allows(n):
                     draft = []
                 if not draft:  # plain until a lookup finds a draft its throttle allows
-                    run, ends = params.max_tokens - n, _lookup_ends(context, k, throttles, stats)
+                    ends = _lookup_ends(index, start, history, k, throttles, stats)
+                    run = params.max_tokens - n
             elif track is not None and track.last is not None:
                 throttle = throttles.setdefault(0, Throttle())
                 if throttle.allows(n):
@@ -330,16 +335,27 @@ def decode(
         limit = options.tokens if len(pending) > 1 else 1
 
 
+def _catch_up(index: drafts.NgramIndex, start: int, history: list[int]) -> None:
+    """Append the tokens decided since the index last saw the stream: the context is the
+    `start` tokens the state held when decode began, then `history` (every token since)."""
+    index.extend(history[len(index) - start :])
+
+
 def _lookup_ends(
-    context: list[int], k: int, throttles: dict[int, Throttle], stats
+    index: drafts.NgramIndex,
+    start: int,
+    history: list[int],
+    k: int,
+    throttles: dict[int, Throttle],
+    stats,
 ) -> Callable[[int], bool]:
-    """For a plain run in n-gram mode: after each token read back, whether the context so far
-    has a draft its throttle allows (the run then ends after the step already in flight, and
-    the next lookup drafts from one token later)."""
+    """For a plain run in n-gram mode: after each token read back (in `history` by then),
+    whether the context so far has a draft its throttle allows (the run then ends after the
+    step already in flight, and the next lookup drafts from one token later)."""
 
     def ends(token: int) -> bool:
-        context.append(token)
-        draft, kind = drafts.ngram_match(context, k)
+        _catch_up(index, start, history)
+        draft, kind = index.match(k)
         return bool(draft) and throttles.setdefault(kind, Throttle()).allows(
             stats.generated_tokens + 1
         )

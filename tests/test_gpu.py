@@ -436,7 +436,7 @@ def test_drafted_greedy_equals_plain_on_gpu(gpu_models, dims, monkeypatch):
         out = list(plain[done : done + k])
         return [t if rng.random() > 0.35 else (t + 1) % 300 for t in out], 3
 
-    monkeypatch.setattr(drafts, "ngram_match", lambda tokens, k, max_n=3: draft(tokens, k))
+    monkeypatch.setattr(drafts.NgramIndex, "match", lambda index, k: draft(index.tokens, k))
     spec, stats = run(draft="ngram", draft_tokens=4)
     assert spec == plain
     assert 0 < stats.accepted < stats.drafted

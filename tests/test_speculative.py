@@ -49,8 +49,9 @@ def run(model, prompt, n, **options):
 
 
 def use_drafts(monkeypatch, draft):
-    """n-gram rounds draft `draft(tokens, k)` instead (reported as 3-token matches)."""
-    monkeypatch.setattr(drafts, "ngram_match", lambda tokens, k, max_n=3: (draft(tokens, k), 3))
+    """n-gram rounds draft `draft(tokens, k)` instead (reported as 3-token matches); `tokens`
+    is the whole context the index holds."""
+    monkeypatch.setattr(drafts.NgramIndex, "match", lambda index, k: (draft(index.tokens, k), 3))
 
 
 def repetitive(seed, period=5, repeats=5):
@@ -60,7 +61,9 @@ def repetitive(seed, period=5, repeats=5):
 
 # ----- options -------------------------------------------------------------------------------
 def test_ngram_draft_takes_the_longest_most_recent_match():
-    ngram = drafts.ngram_draft
+    def ngram(tokens, k):
+        return drafts.ngram_match(tokens, k)[0]
+
     assert ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # "2 3" latest first
     assert ngram([1, 2, 3, 4, 8, 3, 4, 6, 2, 3, 4], 3) == [8, 3, 4]  # n=3 beats n=2
     assert ngram([5, 6, 7], 4) == []
@@ -133,6 +136,32 @@ def test_dense_ngram_equals_plain_and_accepts(dense, k):
             accepted += stats.accepted
             assert stats.drafted >= stats.accepted
     assert accepted > 0  # the verify path really ran and kept drafts
+
+
+def test_ngram_lookups_see_the_whole_context_as_it_is_decided(dense, monkeypatch):
+    """One index per generation, appended to as tokens are decided (rounds and plain runs
+    alike): every lookup sees the sequence's tokens (an earlier turn's too) and the tokens
+    decided so far, one more at each lookup at least, nothing else."""
+    seen: list[list[int]] = []
+    real = drafts.NgramIndex.match
+
+    def match(index, k):
+        seen.append(list(index.tokens))
+        return real(index, k)
+
+    monkeypatch.setattr(drafts.NgramIndex, "match", match)
+    state = dense.new_state()
+    params = SamplingParams(max_tokens=30, stop_token_ids=[])
+    context: list[int] = []
+    for turn in (repetitive(0), repetitive(1, period=3)):
+        seen.clear()
+        out = list(dense.run(turn, state, params, DraftOptions("ngram", 3)))
+        context += turn + out
+        lengths = [len(tokens) for tokens in seen]
+        assert all(tokens == context[: len(tokens)] for tokens in seen)
+        assert lengths[0] == len(context) - len(out) + 1 and lengths[-1] <= len(context) - 1
+        assert all(a < b for a, b in zip(lengths, lengths[1:], strict=False))
+        context = state.tokens  # the last token is not fed: the next turn starts without it
 
 
 @pytest.mark.parametrize("reserved", [True, False])
