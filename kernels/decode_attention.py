@@ -117,7 +117,9 @@ _PARTIAL = """
     const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
     const int n_splits = splits[qt];
     if (split >= n_splits) return;                 // the whole block: no barrier is skipped
-    const int L = k_shape[2] - (NQ - 1 - qt);
+    // paged (P > 0): the keys are the first n_keys[0] logical rows of a page list, row r
+    // at pool row pages[kvh][r / P] * P + r % P; else the rows of k themselves
+    const int L = (P > 0 ? n_keys[0] : k_shape[2]) - (NQ - 1 - qt);
     const int chunk = (L + n_splits - 1) / n_splits;
     const int start = min(split * chunk, L);
     const int end = min(start + chunk, L);
@@ -133,6 +135,15 @@ _PARTIAL = """
         (reinterpret_cast<unsigned long long>(k) & 15) == 0 &&
         (reinterpret_cast<unsigned long long>(v) & 15) == 0;
 
+    const int* page_row = P > 0 ? pages + kvh * pages_strides[0] : pages;
+    auto pool_row = [&](int r) -> long long {
+        if constexpr (P > 0) {
+            return (long long)page_row[(r / P) * pages_strides[1]] * P + r % P;
+        } else {
+            return r;
+        }
+    };
+
     auto load_tile = [&](int t) {
         T* ks = reinterpret_cast<T*>(smem_dyn) + (t % STAGES) * 2 * TILE_ELEMS;
         T* vs = ks + TILE_ELEMS;
@@ -142,16 +153,18 @@ _PARTIAL = """
             for (int i = tid; i < TILE * NV; i += THREADS) {
                 const int r = i / NV, c = i % NV;
                 if (r < rows) {
-                    cp_async16(ks + r * D + c * VEC, kb + (long long)(row0 + r) * krs + c * VEC);
-                    cp_async16(vs + r * D + c * VEC, vb + (long long)(row0 + r) * vrs + c * VEC);
+                    const long long pr = pool_row(row0 + r);
+                    cp_async16(ks + r * D + c * VEC, kb + pr * krs + c * VEC);
+                    cp_async16(vs + r * D + c * VEC, vb + pr * vrs + c * VEC);
                 }
             }
         } else {
             for (int i = tid; i < TILE_ELEMS; i += THREADS) {
                 const int r = i / D, c = i % D;
                 if (r < rows) {
-                    ks[i] = kb[(long long)(row0 + r) * krs + c * kds];
-                    vs[i] = vb[(long long)(row0 + r) * vrs + c * vds];
+                    const long long pr = pool_row(row0 + r);
+                    ks[i] = kb[pr * krs + c * kds];
+                    vs[i] = vb[pr * vrs + c * vds];
                 }
             }
         }
@@ -359,7 +372,7 @@ def _smem_bytes(dtype: mx.Dtype, head_dim: int, group: int) -> int:
 def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
     return mx.fast.cuda_kernel(
         name="qwen38_decode_attention_partial",
-        input_names=["q", "k", "v", "splits"],
+        input_names=["q", "k", "v", "splits", "pages", "n_keys"],
         output_names=["o_part", "m_part", "l_part"],
         source=_fill(_PARTIAL, THREADS=THREADS, TILE=TILE, STAGES=STAGES),
         header=_HEADER,
@@ -415,8 +428,35 @@ def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
         raise ValueError(f"decode attention: {group} query heads per KV head is too many")
 
 
+@functools.cache
+def _unpaged() -> tuple[mx.array, mx.array]:
+    """The `pages` and `length` inputs of a call without pages (the kernel reads neither)."""
+    return mx.zeros((1, 1), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
+
+
+def check_pages(pages: mx.array, page_tokens: int, length: int, k: mx.array) -> None:
+    """ValueError naming what a paged call cannot take (before any work)."""
+    if pages.ndim != 2 or pages.shape[0] != k.shape[1] or pages.dtype != mx.int32:
+        raise ValueError(
+            f"decode attention: pages must be int32 [Hkv={k.shape[1]}, n], got "
+            f"{pages.dtype} {pages.shape}"
+        )
+    if page_tokens < 1 or not 1 <= length <= pages.shape[1] * page_tokens:
+        raise ValueError(
+            f"decode attention: length {length} must be in [1, {pages.shape[1]} pages x "
+            f"{page_tokens} rows]"
+        )
+
+
 def decode_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, splits: int | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    splits: int | None = None,
+    pages: mx.array | None = None,
+    page_tokens: int = 0,
+    length: int = 0,
 ) -> mx.array:
     """softmax(q k^T * scale) v for the newest T positions, as mx.fast.scaled_dot_product_
     attention with a causal mask: row t of q is the position L - T + t and reads the first
@@ -425,11 +465,24 @@ def decode_attention(
 
     q: [1, Hq, T, D]; k, v: [1, Hkv, L, D] (strided views are read in place); Hq a multiple
     of Hkv (GQA). Returns [1, Hq, T, D] in q's dtype. splits: blocks per KV head for one row
-    (default `n_splits`; benchmarks sweep it)."""
+    (default `n_splits`; benchmarks sweep it).
+
+    Paged (one row): `pages` int32 [Hkv, n] (a broadcast view is fine) lists pool pages of
+    `page_tokens` rows of k / v (the whole pool, [1, Hkv, slots * page_tokens, D]); the keys
+    are the first `length` rows of that list, read in place: the bits of a call on those rows
+    gathered into a contiguous copy."""
     check_shapes(q, k, v)
     _, hq, rows, d = q.shape
-    _, hkv, length, _ = k.shape
+    _, hkv, length_k, _ = k.shape
     group = hq // hkv
+    if pages is None:
+        length, page_tokens = length_k, 0
+        page_list, length_arg = _unpaged()
+    else:
+        if rows != 1:
+            raise ValueError("decode attention: a paged call takes one query row")
+        check_pages(pages, page_tokens, length, k)
+        page_list, length_arg = pages, mx.array([length], dtype=mx.int32)
     if splits is None:
         counts = [n_splits(length - rows + 1 + t, hkv) for t in range(rows)]
     elif rows == 1 and 1 <= splits <= length:
@@ -441,8 +494,8 @@ def decode_attention(
     # fp32 scaled query rows [T * Hq, D] as a fresh array (row-contiguous, its own buffer)
     qf = (q.astype(mx.float32) * scale).transpose(0, 2, 1, 3).reshape(rows * hq, d)
     o_part, m_part, l_part = _partial_kernel(k.dtype, d, group)(
-        inputs=[qf, k, v, per_row],
-        template=[("T", k.dtype), ("D", d), ("G", group)],
+        inputs=[qf, k, v, per_row, page_list, length_arg],
+        template=[("T", k.dtype), ("D", d), ("G", group), ("P", page_tokens)],
         grid=(most * THREADS, hkv, rows),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[
@@ -479,13 +532,18 @@ def supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
     return True
 
 
-def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
-    """Run the kernel for this call: supported, not switched off, and the probe passed."""
+def usable(q: mx.array, k: mx.array, v: mx.array, page_tokens: int = 0) -> bool:
+    """Run the kernel for this call: supported, not switched off, and the probe passed
+    (page_tokens > 0: the paged call's probe too)."""
     choice = enabled()
     if choice == "off" or not supported(q, k, v):
         return False
+    if choice == "force":
+        return True
     group = q.shape[1] // k.shape[1]
-    return choice == "force" or available(q.dtype, k.dtype, k.shape[3], group)
+    if not available(q.dtype, k.dtype, k.shape[3], group):
+        return False
+    return page_tokens == 0 or paged_available(q.dtype, k.dtype, k.shape[3], group, page_tokens)
 
 
 def _tolerance(dtype: mx.Dtype) -> float:
@@ -575,3 +633,46 @@ def available(q_dtype: mx.Dtype, kv_dtype: mx.Dtype, head_dim: int, group: int) 
         )
         return False
     return True
+
+
+def paged_matches(q: mx.array, k: mx.array, v: mx.array, scale: float, page_tokens: int) -> bool:
+    """Whether paged calls over k / v (as a pool of pages) give, bit for bit, the call on
+    the same rows gathered into a contiguous copy: a shared page list in scrambled order
+    (a broadcast view), a list per KV head, and a partial last page."""
+    P, hkv = page_tokens, k.shape[1]
+    n_slots = k.shape[2] // P
+    pool_k, pool_v = k[:, :, : n_slots * P], v[:, :, : n_slots * P]
+    order = mx.array([(7 * i + 3) % n_slots for i in range(n_slots)], dtype=mx.int32)
+    per_head = mx.stack([mx.roll(order, h) for h in range(hkv)])
+    for pages in (mx.broadcast_to(order[:5], (hkv, 5)), per_head[:, : n_slots // 2]):
+        for length in (1, pages.shape[1] * P - P // 2, pages.shape[1] * P):
+            got = decode_attention(q, pool_k, pool_v, scale, None, pages, P, length)
+            rows = (pages[:, :, None] * P + mx.arange(P, dtype=mx.int32)).reshape(hkv, -1)
+            heads = mx.arange(hkv)[:, None]
+            keys = pool_k.squeeze(0)[heads, rows[:, :length]][None]
+            values = pool_v.squeeze(0)[heads, rows[:, :length]][None]
+            if not mx.array_equal(got, decode_attention(q, keys, values, scale)).item():
+                return False
+    return True
+
+
+@functools.cache
+def paged_available(
+    q_dtype: mx.Dtype, kv_dtype: mx.Dtype, head_dim: int, group: int, page_tokens: int
+) -> bool:
+    """True when paged calls run here and equal gathered ones (`paged_matches` on the probe's
+    pool-shaped case), probed once per shape; else False, with a warning (the store then
+    gathers the selected rows first)."""
+    if not available(q_dtype, kv_dtype, head_dim, group):
+        return False
+    q, k, v, scale = probe_cases(q_dtype, kv_dtype, head_dim, group)[2]
+    try:
+        ok = paged_matches(q, k, v, scale, page_tokens)
+    except Exception as e:  # noqa: BLE001 - any failure means: gather first
+        warnings.warn(f"paged decode attention unavailable ({e}); gathering rows", stacklevel=2)
+        return False
+    if not ok:
+        warnings.warn(
+            "paged decode attention differs from gathered rows; gathering rows", stacklevel=2
+        )
+    return ok

@@ -226,6 +226,31 @@ def test_decode_attention_kernel_any_split_count():
         _check_decode_attention(kernel, 24, 4, length, 256, mx.bfloat16, "store", splits)
 
 
+@pytest.mark.parametrize("page_tokens", [32, 16, 64])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_paged_decode_attention_equals_gathered_rows(page_tokens, dtype):
+    """The Quest path's call: the kernel reading a page list of the pool in place gives the
+    bits of the call on those rows gathered first (27B shapes: 24 query / 4 KV heads, D 256;
+    a shared list in scrambled order, a list per KV head, a partial last page), and the
+    paged probe passes."""
+    kernel = _decode_kernel()
+    assert kernel.paged_available(dtype, dtype, 256, 6, page_tokens)
+    slots = 4096 // page_tokens
+    key = mx.random.key(page_tokens)
+    pool_k = mx.random.normal((1, 4, slots * page_tokens, 256), key=key).astype(dtype)
+    pool_v = mx.random.normal((1, 4, slots * page_tokens, 256), key=mx.random.key(9)).astype(dtype)
+    q = mx.random.normal((1, 24, 1, 256), key=mx.random.key(3)).astype(dtype)
+    assert kernel.paged_matches(q, pool_k, pool_v, 256**-0.5, page_tokens)
+    # and against the MLX op on the gathered rows (the page list of a Quest budget of 2048)
+    pages = mx.broadcast_to(mx.arange(slots - 1, -1, -2, dtype=mx.int32)[None], (4, slots // 2))
+    length = slots // 2 * page_tokens - 5
+    got = kernel.decode_attention(q, pool_k, pool_v, 256**-0.5, None, pages, page_tokens, length)
+    rows = (pages[0, :, None] * page_tokens + mx.arange(page_tokens)).reshape(-1)[:length]
+    keys, values = pool_k[:, :, rows], pool_v[:, :, rows]
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=256**-0.5)
+    assert kernel.mismatch(got, want) <= 1.0
+
+
 def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
     """A tiny fp32 model decodes the same tokens with the kernel on as off (contiguous store,
     paged dense, paged Quest), and the kernel did run when on."""

@@ -24,6 +24,39 @@ def attend_one_token(q: mx.array, keys: mx.array, values: mx.array, scale: float
     return attend_rows(q, keys, values, scale)
 
 
+def attend_pages(
+    q: mx.array,
+    pool_k: mx.array,
+    pool_v: mx.array,
+    pages: mx.array,
+    length: int,
+    page_tokens: int,
+    scale: float,
+    shared: bool = False,
+) -> mx.array:
+    """q [1, Hq, 1, D] over the first `length` rows of a page list: pages int32 [Hkv, n] of
+    a pool [1, Hkv, slots * page_tokens, D] (`shared`: every row of pages is the same list).
+    The CUDA kernel reads the pages in place; elsewhere the rows are gathered first (the
+    same bits: the kernel's probe checks it)."""
+    kernel = _kernel_module()
+    if kernel is not None and kernel.usable(q, pool_k, pool_v, page_tokens):
+        return kernel.decode_attention(
+            q, pool_k, pool_v, scale, pages=pages, page_tokens=page_tokens, length=length
+        )
+    P = page_tokens
+    offsets = mx.arange(P, dtype=mx.int32)
+    # squeeze, not [0]: integer indexing is a gather in MLX (a copy of the whole pool)
+    pool_k, pool_v = pool_k.squeeze(0), pool_v.squeeze(0)
+    if shared:  # one page set: a plain gather of rows for every head
+        rows = (pages[0, :, None] * P + offsets).reshape(-1)[:length]
+        keys, values = pool_k[:, rows][None], pool_v[:, rows][None]
+    else:
+        rows = (pages[:, :, None] * P + offsets).reshape(pages.shape[0], -1)[:, :length]
+        heads = mx.arange(pages.shape[0])[:, None]
+        keys, values = pool_k[heads, rows][None], pool_v[heads, rows][None]
+    return attend_one_token(q, keys, values, scale)
+
+
 def attend_rows(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """Causal attention of the newest T positions, q [1, Hq, T, D], over keys / values
     [1, Hkv, L, D]: row t reads the first L - T + 1 + t keys, with the bits of a one-token

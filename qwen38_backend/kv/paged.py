@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import AdmissionError, InvalidOptionError, SpillError
 from ..rows import STEP_MAX_ROWS
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
-from .one_token import attend_one_token, attend_rows
+from .one_token import attend_pages, attend_rows
 from .pool import PagePool, PoolFullError
 from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector
 from .spill import SpillFile
@@ -567,20 +567,15 @@ class PagedKV:
             slots = pages if self.table.identity else self.table.array()[pages]
         # The last (open) page is selected and sorts last: drop its unwritten tail.
         n_rows = n_sel * P - (n_pages * P - self.length)
-        if self.shared:  # one page set: a plain gather of rows for every head
-            rows = (slots[0, :, None] * P + mx.arange(P, dtype=mx.int32)).reshape(-1)[:n_rows]
-            keys = self.pool.k[:, rows][None]  # [1, Hkv, n_rows, D]
-            values = self.pool.v[:, rows][None]
-        else:
-            rows = (slots[:, :, None] * P + mx.arange(P, dtype=mx.int32)).reshape(hkv, -1)
-            heads = mx.arange(hkv)[:, None]
-            keys = self.pool.k[heads, rows[:, :n_rows]][None]  # per-head pages
-            values = self.pool.v[heads, rows[:, :n_rows]][None]
+        if slots.dtype != mx.int32:
+            slots = slots.astype(mx.int32)
+        out = attend_pages(
+            q, self.pool.k[None], self.pool.v[None], slots, n_rows, P, scale, self.shared
+        )
         if pinned:
-            # The gather above reads this version of the pool: later writes cannot reach it.
+            # The attention above reads this version of the pool: later writes cannot reach it.
             self.pool.unpin(pinned)
             self.pool.touch(pinned)
-        out = attend_one_token(q, keys, values, scale)
         if self.profile:
             mx.eval(out)
             self.stats["select_seconds"] += t1 - t0
