@@ -251,6 +251,70 @@ def test_paged_decode_attention_equals_gathered_rows(page_tokens, dtype):
     assert kernel.mismatch(got, want) <= 1.0
 
 
+def _quest_kernel():
+    from qwen38_backend.kernels import quest_select
+
+    if not mx.cuda.is_available():
+        pytest.skip("the Quest page-key kernel is CUDA-only")
+    return quest_select
+
+
+@pytest.mark.parametrize("q_dtype", [mx.bfloat16, mx.float32])
+def test_quest_page_keys_kernel_matches_the_op_path(q_dtype):
+    """27B shapes (24 query / 4 KV heads, D 256) at a 262K-token capacity (8192 pages of 32):
+    the kernel's keys give the op path's selection, forced / dead pages included, and its
+    bounds agree to fp32 rounding; the probe passes."""
+    from qwen38_backend.kv import quest
+
+    kernel = _quest_kernel()
+    assert quest.kernel_mismatch(24, 4, 256, q_dtype, quest.META_DTYPE) is None
+    keys = mx.random.split(mx.random.key(7), 3)
+    q = mx.random.normal((24, 256), key=keys[0]).astype(q_dtype)
+    lo = mx.random.normal((4, 8192, 256), key=keys[1])
+    hi = lo + mx.abs(mx.random.normal((4, 8192, 256), key=keys[2]))
+    kmin, kmax = quest.outward_bf16(lo, hi)
+    for live, shared in ((8192, True), (5000, True), (5000, False)):
+        n_pages = mx.array(live, dtype=mx.int32)
+        got = kernel.page_keys(q, kmin, kmax, n_pages, 4, 8, shared)
+        want = quest.op_page_keys(q, kmin, kmax, n_pages, 4, 8, shared)
+        assert mx.array_equal(quest.top_pages(got, 64), quest.top_pages(want, 64)).item()
+        g, w = quest.key_scores(got), quest.key_scores(want)
+        finite = mx.isfinite(w)
+        assert mx.array_equal(mx.isfinite(g), finite).item()
+        diff = mx.abs(mx.where(finite, g - w, 0.0)).max().item()
+        assert diff <= 1e-5 * mx.abs(mx.where(finite, w, 0.0)).max().item()
+
+
+def test_quest_page_keys_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
+    """A tiny fp32 model under Quest decodes the same tokens with the page-key kernel on as
+    off, and the kernel did run when on."""
+    from helpers import dense_fixture
+
+    import qwen38_backend
+
+    kernel = _quest_kernel()
+    calls = []
+    original = kernel.page_keys
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "page_keys", counted)
+    model = qwen38_backend.load(dense_fixture("qwen3", tmp_path), dtype="float32")
+    prompt = [(7 * i + 3) % 500 + 2 for i in range(300)]
+    options = {"kv_paged": "on", "kv_topk": 32, "kv_page_tokens": 8, "kv_sinks": 8, "kv_recent": 8}
+    runs = {}
+    for choice in ("auto", "off"):
+        monkeypatch.setenv("QWEN38_QUEST_KERNEL", choice)
+        calls.clear()
+        runs[choice] = list(
+            model.generate_tokens(prompt, max_tokens=24, stop_token_ids=[], **options)
+        )
+        assert bool(calls) == (choice == "auto"), (choice, len(calls))
+    assert runs["auto"] == runs["off"]
+
+
 def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
     """A tiny fp32 model decodes the same tokens with the kernel on as off (contiguous store,
     paged dense, paged Quest), and the kernel did run when on."""

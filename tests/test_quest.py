@@ -275,3 +275,19 @@ def test_page_summary_meanstd_and_bad_variants():
         page_summary(mx.array(rows), "median")
     with pytest.raises(ValueError, match="group reduce 'mean'"):
         page_scores(mx.array(rows[0, 0]), mean, std, "minmax", "mean")
+
+
+def test_key_scores_invert_order_keys():
+    """key_scores (what the page-key kernel's probe compares) reads back the exact score
+    from an order key, -0.0 as +0.0, infinities included."""
+    from qwen38_backend.kv.quest import key_scores
+
+    rng = np.random.default_rng(2)
+    values = np.concatenate(
+        [
+            rng.normal(size=200) * 10.0 ** rng.integers(-30, 30, size=200),
+            [0.0, -0.0, np.inf, -np.inf],
+        ]
+    ).astype(np.float32)
+    got = np.array(key_scores(order_keys(mx.array(values))))
+    np.testing.assert_array_equal(got, values + np.float32(0.0))

@@ -23,7 +23,9 @@ selection recall the most attention mass at the same token budget (8-token pages
 
 from __future__ import annotations
 
-from functools import lru_cache
+import os
+import warnings
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
@@ -150,21 +152,32 @@ def order_keys(scores: mx.array) -> mx.array:
     return (ordered << 32) | (_LOW32 - ids)
 
 
+def key_scores(keys: mx.array) -> mx.array:
+    """The fp32 scores back from `order_keys` (the inverse of its high 32 bits)."""
+    ordered = (keys >> 32).astype(mx.uint32)
+    positive = (ordered & _SIGN) != 0
+    bits = mx.where(positive, ordered & ~mx.array(_SIGN, mx.uint32), ~ordered)
+    return mx.view(bits.astype(mx.uint32), mx.float32)
+
+
+def top_pages(keys: mx.array, n_select: int) -> mx.array:
+    """The n_select pages with the highest order keys per row, int32 ascending."""
+    if n_select >= keys.shape[-1]:
+        return mx.broadcast_to(mx.arange(keys.shape[-1], dtype=mx.int32), keys.shape)
+    # ~key ascending == key descending; keys are unique, so the top set is exact.
+    top = mx.argpartition(~keys, kth=n_select - 1, axis=-1)[..., :n_select]
+    return mx.sort(top.astype(mx.int32), axis=-1)
+
+
 def select_pages(scores: mx.array, forced: mx.array | None, n_select: int) -> mx.array:
     """Per KV head, the n_select pages to attend: forced pages, then the best by score.
 
     scores: [Hkv, n_pages]; forced: bool [n_pages] (sinks and the recent window) or None.
     Returns int32 [Hkv, n_select], ascending page ids per head.
     """
-    n_pages = scores.shape[-1]
     if forced is not None:
         scores = mx.where(forced, mx.array(float("inf"), mx.float32), scores)
-    if n_select >= n_pages:
-        return mx.broadcast_to(mx.arange(n_pages, dtype=mx.int32), scores.shape)
-    keys = order_keys(scores)
-    # ~key ascending == key descending; keys are unique, so the top set is exact.
-    top = mx.argpartition(~keys, kth=n_select - 1, axis=-1)[:, :n_select]
-    return mx.sort(top.astype(mx.int32), axis=-1)
+    return top_pages(order_keys(scores), n_select)
 
 
 def forced_pages(n_pages: int, sink_pages: int, recent_pages: int) -> tuple[mx.array, int]:
@@ -176,25 +189,112 @@ def forced_pages(n_pages: int, sink_pages: int, recent_pages: int) -> tuple[mx.a
     return (ids < sinks) | (ids >= first_recent), count
 
 
+def op_page_keys(
+    q: mx.array,
+    kmin: mx.array,
+    kmax: mx.array,
+    n_pages: mx.array,
+    sink_pages: int,
+    recent_pages: int,
+    shared: bool,
+) -> mx.array:
+    """uint64 order keys [rows, capacity] of every metadata slot (rows 1 when `shared`, else
+    Hkv): the Quest bound of q [Hq, D], +inf for the forced pages (forced_pages) and -inf
+    past n_pages (an int32 scalar array), so slots past the live pages sort last."""
+    scores = quest_scores(q, kmin, kmax)
+    if shared:  # one top-k row serves every KV head (shared_scores' rows are equal)
+        scores = scores.sum(axis=0, keepdims=True)
+    ids = mx.arange(scores.shape[-1])
+    live = ids < n_pages
+    first_recent = mx.maximum(n_pages - 1 - recent_pages, 0)
+    forced = live & ((ids < sink_pages) | (ids >= first_recent))
+    scores = mx.where(live, scores, mx.array(-float("inf"), mx.float32))
+    scores = mx.where(forced, mx.array(float("inf"), mx.float32), scores)
+    return order_keys(scores)
+
+
+def _kernel_module():
+    """kernels/quest_select.py, or None in a source tree without the kernels."""
+    try:
+        from ..kernels import quest_select
+    except ImportError:
+        return None
+    return quest_select
+
+
+def kernel_usable(q: mx.array, kmin: mx.array, kmax: mx.array) -> bool:
+    """Whether the page-key kernel runs for these operands. QWEN38_QUEST_KERNEL: auto (probe
+    once per shape, `kernel_mismatch`), off, force (skip the probe)."""
+    choice = os.environ.get("QWEN38_QUEST_KERNEL", "auto")
+    kernel = _kernel_module()
+    if choice == "off" or kernel is None or not kernel.supported(q, kmin, kmax):
+        return False
+    if choice == "force":
+        return True
+    return _kernel_agrees(q.shape[0], kmax.shape[0], kmax.shape[2], q.dtype, kmax.dtype)
+
+
+def kernel_mismatch(
+    hq: int, hkv: int, d: int, q_dtype: mx.Dtype, meta_dtype: mx.Dtype
+) -> str | None:
+    """Run the page-key kernel and op_page_keys on random metadata (shared and per head, a
+    partial capacity, sinks and a recent window): None when the selections agree and the
+    bounds agree to fp32 rounding, else what differs."""
+    kernel = _kernel_module()
+    keys = mx.random.split(mx.random.key(5), 3)
+    capacity, live, n_select = 1500, 1234, 64
+    q = mx.random.normal((hq, d), key=keys[0]).astype(q_dtype)
+    lo = mx.random.normal((hkv, capacity, d), key=keys[1])
+    hi = lo + mx.abs(mx.random.normal((hkv, capacity, d), key=keys[2]))
+    kmin, kmax = (x.astype(meta_dtype) for x in outward_bf16(lo, hi))
+    n_pages = mx.array(live, dtype=mx.int32)
+    for shared in (True, False):
+        got = kernel.page_keys(q, kmin, kmax, n_pages, 2, 3, shared)
+        want = op_page_keys(q, kmin, kmax, n_pages, 2, 3, shared)
+        g, w = key_scores(got), key_scores(want)
+        finite = mx.isfinite(w)
+        if not mx.array_equal(mx.isfinite(g), finite).item():
+            return "forced / dead pages differ"
+        err = mx.abs(mx.where(finite, g - w, 0.0)).max() / mx.abs(mx.where(finite, w, 0.0)).max()
+        if err.item() > 1e-5:
+            return f"bounds differ by {err.item():.2e} (relative)"
+        if not mx.array_equal(top_pages(got, n_select), top_pages(want, n_select)).item():
+            return "selections differ"
+    return None
+
+
+@lru_cache(maxsize=16)
+def _kernel_agrees(hq: int, hkv: int, d: int, q_dtype: mx.Dtype, meta_dtype: mx.Dtype) -> bool:
+    try:
+        why = kernel_mismatch(hq, hkv, d, q_dtype, meta_dtype)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the op path
+        why = f"unavailable ({e})"
+    if why is not None:
+        warnings.warn(f"Quest page-key kernel {why}; using the op path", stacklevel=2)
+    return why is None
+
+
 @lru_cache(maxsize=64)
 def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
-    """The whole Quest selection of one decode step as one compiled graph:
+    """The whole Quest selection of one decode step:
     (q [Hq, D], kmin, kmax [Hkv, capacity, D], n_pages int32 scalar) -> int32 [Hkv, n_select]
     ascending, equal to select_pages over `quest_scores` of the first n_pages pages with
     `forced_pages`. The metadata is scored over its whole capacity with the pages past
-    n_pages masked out, so the graph is traced again only when the capacity grows (x1.5),
-    not every page."""
+    n_pages masked out, so a graph is traced again only when the capacity grows (x1.5),
+    not every page. On CUDA the page keys come from one kernel (kernels/quest_select.py,
+    where its probe passed); elsewhere the whole selection is one compiled graph."""
 
     def select(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
-        scores = quest_scores(q, kmin, kmax)
-        if shared:  # one top-k row serves every KV head (shared_scores' rows are equal)
-            scores = scores.sum(axis=0, keepdims=True)
-        ids = mx.arange(scores.shape[-1])
-        live = ids < n_pages
-        first_recent = mx.maximum(n_pages - 1 - recent_pages, 0)
-        forced = live & ((ids < sink_pages) | (ids >= first_recent))
-        scores = mx.where(live, scores, mx.array(-float("inf"), mx.float32))
-        pages = select_pages(scores, forced, n_select)  # dead pages score lowest of all
-        return mx.broadcast_to(pages, (kmin.shape[0], n_select))
+        keys = op_page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
+        return mx.broadcast_to(top_pages(keys, n_select), (kmin.shape[0], n_select))
 
-    return mx.compile(select)
+    ops, top = mx.compile(select), mx.compile(partial(top_pages, n_select=n_select))
+
+    def run(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
+        if kernel_usable(q, kmin, kmax):
+            kernel = _kernel_module()
+            keys = kernel.page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
+            return mx.broadcast_to(top(keys), (kmin.shape[0], n_select))
+        return ops(q, kmin, kmax, n_pages)
+
+    return run
