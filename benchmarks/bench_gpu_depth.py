@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,12 @@ def main() -> None:
         default=None,
         help="state.PREFILL_LAYERS_AHEAD: prefill layers queued ahead of the one waited for",
     )
+    ap.add_argument(
+        "--quest-ops",
+        action="store_true",
+        help="Quest decode without its kernels: page keys by MLX ops "
+        "(QWEN38_QUEST_KERNEL=off) and the selected rows gathered before attention",
+    )
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -107,10 +114,13 @@ def main() -> None:
     import mlx.core as mx
 
     from qwen38_backend import state as state_module
-    from qwen38_backend.kv import collect_kv_stats
+    from qwen38_backend.kv import collect_kv_stats, one_token
 
     if args.layers_ahead is not None:
         state_module.PREFILL_LAYERS_AHEAD = args.layers_ahead
+    if args.quest_ops:
+        os.environ["QWEN38_QUEST_KERNEL"] = "off"
+        one_token.READ_PAGES_IN_PLACE = False
 
     model, config, weights_bytes = random_model(args.dims, args.layers, args.dtype)
     vocab = config["text_config"]["vocab_size"]
@@ -123,6 +133,7 @@ def main() -> None:
         "weights_bytes": weights_bytes,
         "budget": args.budget,
         "prefill_layers_ahead": state_module.PREFILL_LAYERS_AHEAD,
+        "quest_kernels": not args.quest_ops,
         "lengths": {},
     }
     kv = {"kv_paged": "on", "kv_topk": args.budget}

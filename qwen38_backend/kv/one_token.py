@@ -24,6 +24,11 @@ def attend_one_token(q: mx.array, keys: mx.array, values: mx.array, scale: float
     return attend_rows(q, keys, values, scale)
 
 
+# False: the Quest path gathers its rows before the kernel even where the kernel could read
+# the pages in place (benchmarks compare the two in one run).
+READ_PAGES_IN_PLACE = True
+
+
 def attend_pages(
     q: mx.array,
     pool_k: mx.array,
@@ -39,7 +44,7 @@ def attend_pages(
     The CUDA kernel reads the pages in place; elsewhere the rows are gathered first (the
     same bits: the kernel's probe checks it)."""
     kernel = _kernel_module()
-    if kernel is not None and kernel.usable(q, pool_k, pool_v, page_tokens):
+    if READ_PAGES_IN_PLACE and kernel is not None and kernel.usable(q, pool_k, pool_v, page_tokens):
         return kernel.decode_attention(
             q, pool_k, pool_v, scale, pages=pages, page_tokens=page_tokens, length=length
         )
