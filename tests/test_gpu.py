@@ -251,6 +251,20 @@ def test_paged_decode_attention_equals_gathered_rows(page_tokens, dtype):
     assert kernel.mismatch(got, want) <= 1.0
 
 
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """A list that gets an entry for every call of module.name from now on (the function
+    still runs)."""
+    calls: list = []
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def _quest_kernel():
     from qwen38_backend.kernels import quest_select
 
@@ -292,15 +306,7 @@ def test_quest_page_keys_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
 
     import qwen38_backend
 
-    kernel = _quest_kernel()
-    calls = []
-    original = kernel.page_keys
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(kernel, "page_keys", counted)
+    calls = _count_calls(monkeypatch, _quest_kernel(), "page_keys")
     model = qwen38_backend.load(dense_fixture("qwen3", tmp_path), dtype="float32")
     prompt = [(7 * i + 3) % 500 + 2 for i in range(300)]
     options = {"kv_paged": "on", "kv_topk": 32, "kv_page_tokens": 8, "kv_sinks": 8, "kv_recent": 8}
@@ -322,15 +328,7 @@ def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
 
     import qwen38_backend
 
-    kernel = _decode_kernel()
-    calls = []
-    original = kernel.decode_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(kernel, "decode_attention", counted)
+    calls = _count_calls(monkeypatch, _decode_kernel(), "decode_attention")
     model = qwen38_backend.load(dense_fixture("qwen3", tmp_path), dtype="float32")
     prompt = [(7 * i + 3) % 500 + 2 for i in range(100)]
     stores = [
