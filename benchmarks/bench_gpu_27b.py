@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import run_json_worker  # noqa: E402
+from common import run_json_worker, settings  # noqa: E402
 
 
 def config_and_shapes(dims: str, layers: int) -> tuple[dict, list]:
@@ -295,6 +295,7 @@ def main() -> None:
         "layers": args.layers,
         "dtype": args.dtype,
         "bits": args.bits or None,
+        "settings": settings(),
         "group_size": args.group_size if args.bits else None,
         "device": str(mx.default_device()),
         "mlx": mx.__version__,

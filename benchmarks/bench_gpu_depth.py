@@ -22,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import prompt, random_model  # noqa: E402
+from common import settings  # noqa: E402
 
 
 def decode(model, state, first: int, n: int) -> float:
@@ -134,6 +135,7 @@ def main() -> None:
         "budget": args.budget,
         "prefill_layers_ahead": state_module.PREFILL_LAYERS_AHEAD,
         "quest_kernels": not args.quest_ops,
+        "settings": settings(),
         "lengths": {},
     }
     kv = {"kv_paged": "on", "kv_topk": args.budget}

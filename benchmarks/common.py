@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -64,7 +65,14 @@ def environment() -> dict:
         "processor": platform.processor(),
         "blas": blas.loaded or "MLX's bundled BLAS",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "settings": settings(),
     }
+
+
+def settings() -> dict:
+    """The MLX_* and QWEN38_* environment variables set for this run (MLX's CUDA graph
+    cache and ops per graph, the engine's kernel switches)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MLX_", "QWEN38_"))}
 
 
 def write_json(result: dict, out: str | None) -> None:
