@@ -11,8 +11,17 @@ depend on the rows around it, a step does something that cannot:
   many (measured on the H200, MLX 0.32.4, 27B shapes, benchmarks/probe_rows_gpu.py: bf16
   rows are equal for 2..8 rows and an 8-row product costs ~12% more than a one-row one;
   4-bit rows are equal for 1..7 rows, which read the weights once per row, and 8 rows switch
-  to a kernel that reads them once and is faster than one row). On the CPU rows are equal at
-  any count (tested), so nothing is padded there.
+  to a kernel that reads them once and is faster than one row). On the CPU nothing is padded,
+  but each row of a step's product is a one-row product of its own, the same call as a
+  plain step's: MLX's CPU matmul is cblas_sgemm, and OpenBLAS (blas.py loads it when
+  `qwen38_backend` is imported before MLX) picks its kernel by the row count and its thread
+  count (0.3.21, Haswell kernels, on this CPU: with 1 thread a row of a 4..16-row product
+  differs from that row alone at any width; with 2, from 4 rows at small widths and from 13
+  at the demo's), so a verify row would not be the plain step's.
+  Only MLX's bundled reference BLAS gives equal rows at any count; which BLAS MLX binds
+  depends on import order, so the rows never rely on it. Cost, OpenBLAS only: a verify of T
+  rows reads the dense weights T times (576x1536 fp32, 5 rows: 1.3 ms split vs 0.65 ms one
+  product vs 0.3 ms one row; the bundled BLAS computes 5 rows in 2.8 ms either way).
 - attention: each row attends over its own causal prefix through the one-token path
   (kv/one_token.py), so its split of the keys is the plain step's;
 - Gated DeltaNet: the recurrence runs its one-token core row after row.
@@ -24,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -38,8 +47,11 @@ GPU_PAD_ROWS = 8  # products of fewer rows are padded to this many on a GPU (mod
 _UNPADDED: ContextVar[bool] = ContextVar("qwen38_unpadded", default=False)
 # How this forward's few-row products run, decided once by `prepare` (outside any compiled
 # trace: the kernel's probe runs ops): (rows a product is padded to, the dtype whose dense
-# step products run through kernels/rows_matmul.py or None).
-_PLAN: ContextVar[tuple[int, mx.Dtype | None]] = ContextVar("qwen38_rows", default=(1, None))
+# step products run through kernels/rows_matmul.py or None, whether a step's rows are
+# one-row products each: the CPU, module docstring).
+_PLAN: ContextVar[tuple[int, mx.Dtype | None, bool]] = ContextVar(
+    "qwen38_rows", default=(1, None, False)
+)
 
 
 def prepare(dtype: mx.Dtype) -> None:
@@ -48,12 +60,18 @@ def prepare(dtype: mx.Dtype) -> None:
     pad_rows() (read here once, not per product)."""
     kernels = _kernel_module()
     usable = kernels is not None and kernels.available(dtype)
-    _PLAN.set((_device_pad(), dtype if usable else None))
+    _PLAN.set((_device_pad(), dtype if usable else None, _splits()))
 
 
 def kernel_dtype() -> mx.Dtype | None:
     """The dtype whose dense step products use the row-invariant kernel now (None: none)."""
     return _PLAN.get()[1]
+
+
+def split_rows() -> bool:
+    """Whether this forward's step products compute each row alone (the CPU: whatever BLAS
+    MLX bound, a row is then the plain step's one-row product)."""
+    return _PLAN.get()[2]
 
 
 def forward_pad() -> int:
@@ -79,6 +97,11 @@ def pad_rows() -> int:
     return 1 if _UNPADDED.get() else _device_pad()
 
 
+def _splits() -> bool:
+    """Whether a step's products compute each row alone here: on the CPU (module docstring)."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 def _device_pad() -> int:
     forced = os.environ.get("QWEN38_PAD_ROWS")
     if forced:
@@ -97,8 +120,9 @@ def exact_rows() -> int:
 
 def project(linear: nn.Module, x: mx.array) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
-    where `prepare` chose it, else fewer than pad_rows() rows padded (module docstring)."""
-    pad, kernel_for = _PLAN.get()
+    where `prepare` chose it, else fewer than pad_rows() rows padded; on the CPU each row of
+    a step alone (module docstring)."""
+    pad, kernel_for, _ = _PLAN.get()
     if kernel_for is not None and x.shape[0] <= STEP_MAX_ROWS and x.dtype == kernel_for:
         weight, bias = _dense_weight(linear)
         flat = x.reshape(-1, x.shape[-1])
@@ -107,7 +131,23 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
             y = kernels.rows_matmul(flat, weight)
             y = y.reshape(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
-    rows, pad = x.shape[0], 1 if _UNPADDED.get() else pad
+    pad = 1 if _UNPADDED.get() else pad
+    return per_row(lambda part: _padded(linear, part, pad), x)
+
+
+def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+    """fn(x) for x [T, ...]; where this forward's plan splits rows (the CPU) and T is a
+    step's (2..STEP_MAX_ROWS), fn of each row alone, concatenated: the plain step's call per
+    row, so no BLAS kernel chosen by the row count changes a row's bits. For a step's
+    products that do not go through `project` (a row-invariant fn needs neither)."""
+    if _PLAN.get()[2] and 1 < x.shape[0] <= STEP_MAX_ROWS:
+        return mx.concatenate([fn(x[i : i + 1]) for i in range(x.shape[0])])
+    return fn(x)
+
+
+def _padded(linear: nn.Module, x: mx.array, pad: int) -> mx.array:
+    """linear(x), x's rows padded to `pad` first when fewer."""
+    rows = x.shape[0]
     if rows >= pad:
         return linear(x)
     return linear(mx.pad(x, [(0, pad - rows)] + [(0, 0)] * (x.ndim - 1)))[:rows]

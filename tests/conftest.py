@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Imported before any test module imports MLX: the package decides which BLAS MLX binds
+# (qwen38_backend/blas.py: the system OpenBLAS where present, as in a user's program), so the
+# suite's numerics do not depend on which test file pytest happens to import first.
+import qwen38_backend
+
 # The demo GGUF (98 MB) is fetched once into a persistent cache, not per test run.
 DEMO_HOME = Path(os.environ.get("QWEN38_TEST_HOME", Path.home() / ".cache" / "qwen38-test-home"))
 
@@ -54,6 +59,4 @@ def demo_gguf() -> Path:
 @pytest.fixture(scope="session")
 def demo_model(demo_gguf):
     """The demo model loaded once per test session (fp32 on CPU)."""
-    import qwen38_backend
-
     return qwen38_backend.load(str(demo_gguf))

@@ -782,7 +782,8 @@ def test_mtp_history_survives_a_rewind_to_a_stored_boundary(request, monkeypatch
 # ----- the premise and cancel ----------------------------------------------------------------
 def test_few_row_products_are_padded(monkeypatch):
     """rows.project pads a product of fewer than pad_rows() rows (a GPU's 8) and returns the
-    caller's rows, equal to the unpadded product (on the CPU rows do not depend on count)."""
+    caller's rows; on the CPU each row of a step is a product of its own (OpenBLAS picks its
+    kernel by the row count), padded alone."""
     import mlx.nn as nn
 
     seen = []
@@ -796,18 +797,28 @@ def test_few_row_products_are_padded(monkeypatch):
     x = mx.random.normal((3, 6), key=mx.random.key(0))
     rows.prepare(mx.float32)  # a forward decides its padding once
     assert rows.pad_rows() == 1 and rows.forward_pad() == 1  # the CPU pads nothing
+    assert rows.split_rows()  # but computes a step's rows one by one
     want = rows.project(linear, x)
+    assert seen == [1, 1, 1]
+    alone = mx.concatenate([nn.Linear.__call__(linear, x[i : i + 1]) for i in range(3)])
+    assert mx.array_equal(want, alone).item()
+    assert rows.project(linear, mx.zeros((17, 6))).shape == (17, 5) and seen[-1] == 17
     monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
-    assert rows.project(linear, x).shape == (3, 5) and seen[-1] == 3  # this forward's plan
+    assert rows.project(linear, x).shape == (3, 5) and seen[-1] == 1  # this forward's plan
     rows.prepare(mx.float32)
     got = rows.project(linear, x)
-    assert seen == [3, 3, 8] and got.shape == (3, 5)
-    assert mx.array_equal(got, want).item()
+    assert seen[-3:] == [8, 8, 8] and got.shape == (3, 5)  # each row padded alone
+    assert mx.allclose(got, want, atol=1e-6).item()
+    monkeypatch.setattr(rows, "_splits", lambda: False)  # a GPU's plan: the rows together
+    rows.prepare(mx.float32)
+    assert rows.project(linear, x).shape == (3, 5) and seen[-1] == 8
     assert rows.project(linear, mx.zeros((9, 6))).shape == (9, 5) and seen[-1] == 9
     assert rows.exact_rows() == 8
     with rows.unpadded():  # a family that never verifies on a GPU keeps one-row products
         rows.project(linear, x)
     assert seen[-1] == 3 and rows.pad_rows() == 8
+    monkeypatch.undo()
+    rows.prepare(mx.float32)  # the next forward here plans for the CPU again
 
 
 def test_step_products_go_to_the_rows_kernel_where_chosen(monkeypatch):

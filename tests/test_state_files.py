@@ -1,7 +1,8 @@
 """State files: bit-identical resume in a fresh process, refusals, atomic writes, rollback.
 
-Run as a script (`python test_state_files.py child ...`) it is the fresh process of the resume
-tests: it loads the model, restores each state file and writes the continuation logits.
+Run as a script (`python test_state_files.py child ...`, through CHILD) it is the fresh process
+of the resume tests: it loads the model, restores each state file and writes the continuation
+logits.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def continue_logits(model, state, cont=CONT) -> np.ndarray:
     outs = [model.forward([t], state) for t in cont[:6]]
     outs.append(model.forward(cont[6:], state))
     return np.concatenate([np.array(o.astype(mx.float32)) for o in outs])
+
+
+# The fresh process imports the package before this file imports MLX, as the test process did
+# (conftest.py): MLX then binds the same BLAS in both (qwen38_backend/blas.py).
+CHILD = (
+    "import sys, runpy, qwen38_backend; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def child(model_path: str, kv_json: str, ck_dir: str, out: str) -> None:
@@ -93,8 +102,9 @@ def _resume_equality(model_path: Path, kv: dict, tmp_path: Path, prompt=PROMPT) 
         assert info.n_tokens == b
         expected[str(b)] = continue_logits(model, state)  # the run that never stopped
     out = tmp_path / "child.npz"
+    args = [__file__, "child", str(model_path), json.dumps(kv), str(ck_dir), str(out)]
     proc = subprocess.run(
-        [sys.executable, __file__, "child", str(model_path), json.dumps(kv), str(ck_dir), str(out)],
+        [sys.executable, "-c", CHILD, *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..rows import per_row
 from .layers import can_fuse, fuse_linears, split_outputs
 
 
@@ -56,22 +57,24 @@ class GatedResidual(nn.Module):
     def _mixed(self, R: mx.array, Rn: mx.array, down: mx.array) -> mx.array:
         """The block input x [T, hidden] from the normed streams and their down projection."""
         gm = nn.silu(down / self.hc_count)
-        G = mx.sigmoid(self.input_mix_weight_up(gm))
+        # per_row: a verify row's products are a plain step's on the CPU (rows.py)
+        G = mx.sigmoid(per_row(self.input_mix_weight_up, gm))
         # the product before the reshape: the sigmoid and the product fuse (one kernel)
         return (G * Rn).reshape(*R.shape[:-1], self.hc_count, self.hidden).mean(axis=-2)
 
     def read(self, R: mx.array) -> mx.array:
         """The mixed block input only (the final mixer before lm_head)."""
         Rn = self.hc_norm(R)
-        return self._mixed(R, Rn, self.input_mix_weight_down(Rn))
+        return self._mixed(R, Rn, per_row(self.input_mix_weight_down, Rn))
 
     def open(self, R: mx.array) -> tuple[mx.array, mx.array]:
         """(block input x [T, hidden], inject weights inj [T, hc]): what precedes the block."""
         Rn = self.hc_norm(R)
         if "down_inject_proj" in self:
-            down, inj = split_outputs(self.down_inject_proj(Rn), self._down_sizes)
+            down, inj = split_outputs(per_row(self.down_inject_proj, Rn), self._down_sizes)
         else:
-            down, inj = self.input_mix_weight_down(Rn), self.block_inject_weight(Rn)
+            down = per_row(self.input_mix_weight_down, Rn)
+            inj = per_row(self.block_inject_weight, Rn)
         return self._mixed(R, Rn, down), 2.0 * mx.sigmoid(inj / self.hc_count)
 
     def close(self, R: mx.array, inj: mx.array, out: mx.array) -> mx.array:

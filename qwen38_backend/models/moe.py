@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..rows import per_row
 from .layers import SwiGLU
 from .parallel import all_sum, part_of, ranks, require_divisible
 
@@ -167,7 +168,8 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        return route(self.gate(x), self.top_k, self.norm_topk_prob)
+        # per_row: a verify row's products are a plain step's on the CPU (rows.py)
+        return route(per_row(self.gate, x), self.top_k, self.norm_topk_prob)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Expert parallel: this rank keeps experts [rank * E/n, (rank + 1) * E/n) and a
@@ -198,7 +200,7 @@ class SparseMoE(nn.Module):
         return routed + self._shared(x)
 
     def _shared(self, x: mx.array) -> mx.array:
-        return mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return mx.sigmoid(per_row(self.shared_expert_gate, x)) * self.shared_expert(x)
 
     def _local_experts(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         """sum over the (token, expert) pairs routed to this rank's experts, [T, H]."""

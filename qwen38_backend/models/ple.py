@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import WeightsError
+from ..rows import per_row
 from ..state import Replayable, RewindError
 from .hyper_connections import GroupedRMSNorm
 from .layers import compiled
@@ -336,8 +337,9 @@ class PLELayer(nn.Module):
         """(PLE output [T, W], the new conv state) from the residual and the n-gram rows E."""
         T = R.shape[0]
         shape = (T, self.hc_count, self.hidden)
-        K = self.norm_key(self.key_proj(E)).reshape(shape)
-        V = self.value_proj(E)
+        # per_row: a verify row's products are a plain step's on the CPU (rows.py)
+        K = self.norm_key(per_row(self.key_proj, E)).reshape(shape)
+        V = per_row(self.value_proj, E)
         Q = self.norm_query(R).reshape(shape)
         g = (K * Q).sum(axis=-1) / math.sqrt(self.hidden)  # [T, hc]
         g = mx.sign(g) * mx.sqrt(mx.maximum(mx.abs(g), 1e-6))

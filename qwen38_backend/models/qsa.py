@@ -24,6 +24,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..rows import per_row
 from ..state import RewindError
 from .layers import Attention, RMSNorm, RopeSpec, compiled
 
@@ -367,7 +368,7 @@ class QSAAttention(Attention):
         """(roped indexer queries [T, Hi, D], raw indexer keys [T, D]) of x at `positions`."""
         T = x.shape[0]
         ix = self.indexer
-        qk = ix.index_qk_proj(x)
+        qk = per_row(ix.index_qk_proj, x)  # a verify row = a plain step's (rows.py)
         split = ix.n_heads * ix.head_dim
         qi = ix.q_layernorm(qk[:, :split].reshape(T, ix.n_heads, ix.head_dim))
         qi = rope_at(qi, positions, self.rope.dims, self.rope.theta)
