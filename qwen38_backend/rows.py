@@ -12,16 +12,17 @@ depend on the rows around it, a step does something that cannot:
   rows are equal for 2..8 rows and an 8-row product costs ~12% more than a one-row one;
   4-bit rows are equal for 1..7 rows, which read the weights once per row, and 8 rows switch
   to a kernel that reads them once and is faster than one row). On the CPU nothing is padded,
-  but each row of a step's product is a one-row product of its own, the same call as a
-  plain step's: MLX's CPU matmul is cblas_sgemm, and OpenBLAS (blas.py loads it when
+  and a step's product runs whole only where this process measured its rows equal to the
+  one-row products: MLX's CPU matmul is cblas_sgemm, and OpenBLAS (blas.py loads it when
   `qwen38_backend` is imported before MLX) picks its kernel by the row count and its thread
-  count (0.3.21, Haswell kernels, on this CPU: with 1 thread a row of a 4..16-row product
-  differs from that row alone at any width; with 2, from 4 rows at small widths and from 13
-  at the demo's), so a verify row would not be the plain step's.
-  Only MLX's bundled reference BLAS gives equal rows at any count; which BLAS MLX binds
-  depends on import order, so the rows never rely on it. Cost, OpenBLAS only: a verify of T
-  rows reads the dense weights T times (576x1536 fp32, 5 rows: 1.3 ms split vs 0.65 ms one
-  product vs 0.3 ms one row; the bundled BLAS computes 5 rows in 2.8 ms either way).
+  count (0.3.21, Haswell kernels: with 1 thread a row of a 4..16-row product differs from
+  that row alone at any width; with 2, from 4 rows at small widths and from 13 or 16 at the
+  demo's). `prepare(dtype, net, rows)` probes each distinct linear of the model once per row
+  count (`rows_agree`: random rows through the product whole and one by one, bit for bit;
+  the kernel a BLAS picks depends on the shapes and threads, not on the values); a product
+  that differs runs row by row, the plain step's call per row (a verify of T rows then reads
+  those weights T times). Products outside `project` (Flash-Next's stream mixes, router,
+  indexer, PLE) always run row by row on the CPU (`per_row`).
 - attention: each row attends over its own causal prefix through the one-token path
   (kv/one_token.py), so its split of the keys is the plain step's;
 - Gated DeltaNet: the recurrence runs its one-token core row after row.
@@ -49,18 +50,91 @@ _UNPADDED: ContextVar[bool] = ContextVar("qwen38_unpadded", default=False)
 # trace: the kernel's probe runs ops): (rows a product is padded to, the dtype whose dense
 # step products run through kernels/rows_matmul.py or None, whether a step's rows are
 # one-row products each: the CPU, module docstring).
-_PLAN: ContextVar[tuple[int, mx.Dtype | None, bool]] = ContextVar(
-    "qwen38_rows", default=(1, None, False)
+# Split: None (nothing runs row by row), or the linears (`_linear_key`) whose step products
+# run row by row; "all" where the model's linears were not probed.
+Split = frozenset | str | None
+_PLAN: ContextVar[tuple[int, mx.Dtype | None, Split]] = ContextVar(
+    "qwen38_rows", default=(1, None, None)
 )
 
 
-def prepare(dtype: mx.Dtype) -> None:
-    """Decide how this forward's few-row products run (a family's forward calls it first):
-    through the row-invariant kernel where it runs and passed its probe, else padded to
-    pad_rows() (read here once, not per product)."""
+def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> None:
+    """Decide how this forward's few-row products run (a family's forward calls it first,
+    outside any compiled trace: probes run ops): through the row-invariant kernel where it
+    runs and passed its probe, else padded to pad_rows() (read here once, not per product);
+    on the CPU, for a step of `rows` rows, row by row for the linears of `net` whose rows
+    differ from one-row products (all of them when `net` or `rows` is not given)."""
     kernels = _kernel_module()
     usable = kernels is not None and kernels.available(dtype)
-    _PLAN.set((_device_pad(), dtype if usable else None, _splits()))
+    _PLAN.set((_device_pad(), dtype if usable else None, _split_plan(dtype, net, rows)))
+
+
+def _split_plan(dtype: mx.Dtype, net: nn.Module | None, rows: int) -> Split:
+    if not _splits():
+        return None
+    if net is None or rows == 0:  # nothing to probe: every step product row by row
+        return "all"
+    if not 1 < rows <= STEP_MAX_ROWS:
+        return None
+    plans = net.__dict__.setdefault("_row_plans", {})  # the net's linears, probed once
+    plan_key = (str(dtype), rows)
+    if plan_key not in plans:
+        plans[plan_key] = frozenset(
+            key for key, fn, width in _linears(net) if not rows_agree(key, fn, width, dtype, rows)
+        )
+    return plans[plan_key]
+
+
+def _linears(net: nn.Module) -> list[tuple[tuple, Callable, int]]:
+    """(key, product, input width) of each distinct linear map of `net` that `project` may
+    run: its linears and its embeddings' as_linear (a tied head)."""
+    out = {}
+    for _, module in net.named_modules():
+        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
+            fn = module.as_linear
+        elif isinstance(module, nn.Linear | nn.QuantizedLinear):
+            fn = module
+        else:
+            continue
+        key = _linear_key(fn)
+        if key is not None and key not in out:
+            out[key] = (fn, _input_width(module))
+    return [(key, fn, width) for key, (fn, width) in out.items()]
+
+
+def _input_width(module: nn.Module) -> int:
+    if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        return module.weight.shape[-1] * 32 // module.bits
+    return module.weight.shape[-1]
+
+
+def _linear_key(linear) -> tuple | None:
+    """What decides how a product runs: the kind of map, its weight's shape and dtype, a
+    bias, quantization. None for anything else (run row by row where rows split)."""
+    owner = getattr(linear, "__self__", None)
+    module = owner if getattr(linear, "__name__", "") == "as_linear" else linear
+    if not isinstance(module, _LINEAR_KINDS):
+        return None
+    weight = module.weight
+    quant = (module.bits, module.group_size) if hasattr(module, "bits") else None
+    kind = "head" if module is owner else type(module).__name__
+    return (kind, tuple(weight.shape), str(weight.dtype), "bias" in module, quant)
+
+
+_LINEAR_KINDS = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+_AGREE: dict[tuple, bool] = {}
+
+
+def rows_agree(key: tuple, fn: Callable, width: int, dtype: mx.Dtype, rows: int) -> bool:
+    """Whether fn's product of `rows` rows gives each row the bits of that row alone (once
+    per process, linear key, dtype and row count; random rows, no zeros)."""
+    probe = (key, str(dtype), rows)
+    if probe not in _AGREE:
+        x = mx.random.normal((rows, width), key=mx.random.key(rows)).astype(dtype)
+        whole = fn(x)
+        alone = mx.concatenate([fn(x[i : i + 1]) for i in range(rows)])
+        _AGREE[probe] = bool(mx.array_equal(whole, alone).item())
+    return _AGREE[probe]
 
 
 def kernel_dtype() -> mx.Dtype | None:
@@ -68,9 +142,8 @@ def kernel_dtype() -> mx.Dtype | None:
     return _PLAN.get()[1]
 
 
-def split_rows() -> bool:
-    """Whether this forward's step products compute each row alone (the CPU: whatever BLAS
-    MLX bound, a row is then the plain step's one-row product)."""
+def split_rows() -> Split:
+    """Which of this forward's step products compute each row alone (module docstring)."""
     return _PLAN.get()[2]
 
 
@@ -132,7 +205,10 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
             y = y.reshape(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     pad = 1 if _UNPADDED.get() else pad
-    return per_row(lambda part: _padded(linear, part, pad), x)
+    split = _PLAN.get()[2]
+    if split is None or (split != "all" and _linear_key(linear) not in split):
+        return _padded(linear, x, pad)
+    return _row_by_row(lambda part: _padded(linear, part, pad), x)
 
 
 def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
@@ -140,7 +216,13 @@ def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
     step's (2..STEP_MAX_ROWS), fn of each row alone, concatenated: the plain step's call per
     row, so no BLAS kernel chosen by the row count changes a row's bits. For a step's
     products that do not go through `project` (a row-invariant fn needs neither)."""
-    if _PLAN.get()[2] and 1 < x.shape[0] <= STEP_MAX_ROWS:
+    if _PLAN.get()[2] is None:
+        return fn(x)
+    return _row_by_row(fn, x)
+
+
+def _row_by_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+    if 1 < x.shape[0] <= STEP_MAX_ROWS:
         return mx.concatenate([fn(x[i : i + 1]) for i in range(x.shape[0])])
     return fn(x)
 

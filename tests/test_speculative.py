@@ -821,6 +821,45 @@ def test_few_row_products_are_padded(monkeypatch):
     rows.prepare(mx.float32)  # the next forward here plans for the CPU again
 
 
+def test_cpu_steps_split_only_the_products_whose_rows_differ():
+    """On the CPU `rows.prepare(dtype, net, rows)` probes each distinct linear of the net for
+    that row count: a product whose rows differ from one-row products runs row by row (the
+    plain step's call per row), one whose rows agree runs whole; prefill-sized forwards and
+    one-row steps split nothing."""
+    import mlx.nn as nn
+
+    seen = []
+
+    class RowInvariant(nn.Linear):  # each row reduced on its own: the same bits at any count
+        def __call__(self, x):
+            seen.append(("inv", x.shape[0]))
+            return (x[:, None, :] * self.weight[None]).sum(-1)
+
+    class RowDependent(nn.Linear):  # a kernel picked by the row count (as OpenBLAS does)
+        def __call__(self, x):
+            seen.append(("dep", x.shape[0]))
+            return x @ self.weight.T + 1e-3 * x.shape[0]
+
+    net = nn.Module()
+    net.a, net.b = RowInvariant(6, 5), RowDependent(6, 4)
+    x = mx.random.normal((3, 6), key=mx.random.key(1))
+    rows.prepare(mx.float32, net, 3)
+    try:
+        split = rows.split_rows()
+        assert split == frozenset({rows._linear_key(net.b)}), split
+        seen.clear()
+        whole, by_row = rows.project(net.a, x), rows.project(net.b, x)
+        assert seen == [("inv", 3), ("dep", 1), ("dep", 1), ("dep", 1)]
+        alone = mx.concatenate([net.b(x[i : i + 1]) for i in range(3)])
+        assert mx.array_equal(by_row, alone).item()
+        assert mx.array_equal(whole, mx.concatenate([net.a(x[i : i + 1]) for i in range(3)])).item()
+        for n in (1, 17):  # a one-row step, a prefill chunk: nothing to split
+            rows.prepare(mx.float32, net, n)
+            assert rows.split_rows() is None
+    finally:
+        rows.prepare(mx.float32)
+
+
 def test_step_products_go_to_the_rows_kernel_where_chosen(monkeypatch):
     """Where `rows.prepare` chose the row-invariant kernel (CUDA; here a stand-in computing
     each row alone), a step's unquantized products go through it with their weight (a

@@ -60,7 +60,7 @@ class DenseModel(CausalLM):
         """Final-normed hidden states [T, hidden]."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
-        rows.prepare(h.dtype)
+        rows.prepare(h.dtype, self, ids.shape[0])
         eager = state.eager_layers(ids.shape[0])
         for i, (layer, kv) in enumerate(zip(self.model.layers, state.layers, strict=True)):
             h = layer(h, kv, offset)

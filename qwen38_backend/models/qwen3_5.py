@@ -113,7 +113,7 @@ class Qwen35Model(CausalLM):
         """Final-normed hidden states [T, hidden] (also the MTP head's input)."""
         offset = state.offset
         h = self.model.embed_tokens(ids)
-        rows.prepare(h.dtype)
+        rows.prepare(h.dtype, self, ids.shape[0])
         eager = state.eager_layers(ids.shape[0])
         for i, (layer, layer_state) in enumerate(zip(self.model.layers, state.layers, strict=True)):
             h = layer(h, layer_state, offset)

@@ -248,7 +248,7 @@ class Qwen4ExpModel(CausalLM):
         """The residual streams after the last layer, [T, hc * hidden] (the MTP head's input)."""
         offset = state.offset
         R = mx.tile(self.model.embed_tokens(ids), (1, self.config.hc_count))
-        rows.prepare(R.dtype)
+        rows.prepare(R.dtype, self, ids.shape[0])
         eager = state.eager_layers(ids.shape[0])
         with unpadded():  # see logits_from_residual
             layers = zip(self.model.layers, state.layers, strict=True)
