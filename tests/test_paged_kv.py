@@ -359,9 +359,11 @@ def test_pool_bytes_and_flat_peak_memory(budget):
         k = mx.random.normal((1, hkv, 1, d))
         mx.eval(store.attend(q, k, k, d**-0.5))
         peaks.append(mx.get_peak_memory() - base)
-    # No per-step copy of the cache, and no growth across steps.
+    # No per-step copy of the cache, and no growth across steps. A step's peak jitters by a
+    # few of its own small buffers (whether the CPU stream freed one before the next is
+    # allocated), so growth is judged on the floor of the peaks, not on their maximum.
     assert max(peaks) < cache_bytes / 4, peaks
-    assert max(peaks[-10:]) <= max(peaks[:10]) + 64 * 1024, peaks
+    assert min(peaks[-10:]) <= min(peaks[:10]) + 64 * 1024, peaks
 
 
 # ----- options and stats -------------------------------------------------------------------
