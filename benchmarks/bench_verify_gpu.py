@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--p", default="0.5,0.65,0.8,0.9")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--bits", type=int, default=0, help="quantize the weights (0: none)")
     ap.add_argument("--e2e", type=int, default=0, help="tokens decoded end to end (0: skip)")
     ap.add_argument("--e2e-runs", type=int, default=3)
     ap.add_argument("--profile-out", default=None)
@@ -169,7 +170,7 @@ def main() -> None:
 
     from qwen38_backend.rows import kernel_dtype, pad_rows
 
-    model, config, nbytes = random_model(args.dims, args.layers, args.dtype)
+    model, config, nbytes = random_model(args.dims, args.layers, args.dtype, bits=args.bits)
     vocab = config["text_config"]["vocab_size"]
     state = model.new_state()
     mx.eval(model.prefill(prompt(args.context, vocab), state))
@@ -192,6 +193,7 @@ def main() -> None:
         "dims": args.dims,
         "layers": args.layers,
         "dtype": args.dtype,
+        "bits": args.bits,
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "context": args.context,

@@ -11,7 +11,12 @@ depend on the rows around it, a step does something that cannot:
   many (measured on the H200, MLX 0.32.4, 27B shapes, benchmarks/probe_rows_gpu.py: bf16
   rows are equal for 2..8 rows and an 8-row product costs ~12% more than a one-row one;
   4-bit rows are equal for 1..7 rows, which read the weights once per row, and 8 rows switch
-  to a kernel that reads them once and is faster than one row). On the CPU nothing is padded,
+  to a kernel that reads them once and is faster than one row). A quantized product is
+  therefore not padded where `prepare` measured its rows equal to one-row products for every
+  row count up to some R >= 2 (`quantized_plan`): a plain step keeps MLX's one-row kernel
+  (a padded 4-bit step decoded 1.8x slower on the H200: 26.2 vs 47.4 tok/s,
+  benchmarks/results/h200/bench_gpu_27b_4bit_*.json) and a verify has at most R rows.
+  On the CPU nothing is padded,
   and a step's product runs whole only where this process measured its rows equal to the
   one-row products: MLX's CPU matmul is cblas_sgemm, and OpenBLAS (blas.py loads it when
   `qwen38_backend` is imported before MLX) picks its kernel by the row count and its thread
@@ -52,9 +57,10 @@ _UNPADDED: ContextVar[bool] = ContextVar("qwen38_unpadded", default=False)
 # one-row products each: the CPU, module docstring).
 # Split: None (nothing runs row by row), or the linears (`_linear_key`) whose step products
 # run row by row; "all" where the model's linears were not probed.
+# Last: the quantized linears whose products run unpadded on a GPU (quantized_plan).
 Split = frozenset | str | None
-_PLAN: ContextVar[tuple[int, mx.Dtype | None, Split]] = ContextVar(
-    "qwen38_rows", default=(1, None, None)
+_PLAN: ContextVar[tuple[int, mx.Dtype | None, Split, frozenset]] = ContextVar(
+    "qwen38_rows", default=(1, None, None, frozenset())
 )
 
 
@@ -66,7 +72,30 @@ def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> Non
     differ from one-row products (all of them when `net` or `rows` is not given)."""
     kernels = _kernel_module()
     usable = kernels is not None and kernels.available(dtype)
-    _PLAN.set((_device_pad(), dtype if usable else None, _split_plan(dtype, net, rows)))
+    pad = _device_pad()
+    loose = quantized_plan(net, dtype)[0] if pad > 1 and net is not None else frozenset()
+    _PLAN.set((pad, dtype if usable else None, _split_plan(dtype, net, rows), loose))
+
+
+def quantized_plan(net: nn.Module, dtype: mx.Dtype) -> tuple[frozenset, int]:
+    """Where products are padded (a GPU): (the keys of `net`'s quantized linears that run
+    unpadded, the most rows a step may then have), or (frozenset(), 0) where they stay
+    padded. Unpadded needs every quantized linear's product of r rows to give each row the
+    bits of that row alone for r = 2..R with R >= 2; R is then the row limit (probed once
+    per net and dtype, up to pad_rows() rows; module docstring)."""
+    plans = net.__dict__.setdefault("_row_plans", {})
+    plan_key = ("quantized", str(dtype))
+    if plan_key not in plans:
+        linears = [(k, fn, w) for k, fn, w in _linears(net) if k[-1] is not None]
+        most = 1
+        if linears:
+            for r in range(2, _device_pad() + 1):
+                if not all(rows_agree(k, fn, w, dtype, r) for k, fn, w in linears):
+                    break
+                most = r
+        keys = frozenset(k for k, _, _ in linears) if most >= 2 else frozenset()
+        plans[plan_key] = (keys, most if keys else 0)
+    return plans[plan_key]
 
 
 def _split_plan(dtype: mx.Dtype, net: nn.Module | None, rows: int) -> Split:
@@ -182,12 +211,18 @@ def _device_pad() -> int:
     return 1 if mx.default_device().type == mx.DeviceType.cpu else GPU_PAD_ROWS
 
 
-def exact_rows() -> int:
+def exact_rows(net: nn.Module | None = None, dtype: mx.Dtype | None = None) -> int:
     """The most rows a forward may have with each row equal to a one-row step here: a step
     (past STEP_MAX_ROWS Gated DeltaNet runs its chunked form), and on a GPU no more rows
-    than a padded product has."""
+    than a padded product has, nor than `net`'s unpadded quantized products stay exact for
+    (quantized_plan, with activations of `dtype`)."""
     if pad_rows() > 1:
-        return min(pad_rows(), STEP_MAX_ROWS)
+        most = min(pad_rows(), STEP_MAX_ROWS)
+        if net is not None and dtype is not None:
+            keys, quantized = quantized_plan(net, dtype)
+            if keys:
+                most = min(most, quantized)
+        return most
     return STEP_MAX_ROWS if mx.default_device().type == mx.DeviceType.cpu else 1
 
 
@@ -195,7 +230,7 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
     where `prepare` chose it, else fewer than pad_rows() rows padded; on the CPU each row of
     a step alone (module docstring)."""
-    pad, kernel_for, _ = _PLAN.get()
+    pad, kernel_for = _PLAN.get()[:2]
     if kernel_for is not None and x.shape[0] <= STEP_MAX_ROWS and x.dtype == kernel_for:
         weight, bias = _dense_weight(linear)
         flat = x.reshape(-1, x.shape[-1])
@@ -205,6 +240,9 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
             y = y.reshape(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     pad = 1 if _UNPADDED.get() else pad
+    loose = _PLAN.get()[3]
+    if pad > 1 and loose and _linear_key(linear) in loose:
+        pad = 1  # a quantized product whose few rows are each computed alone (quantized_plan)
     split = _PLAN.get()[2]
     if split is None or (split != "all" and _linear_key(linear) not in split):
         return _padded(linear, x, pad)

@@ -139,7 +139,7 @@ def verify_rows(model: Model) -> int:
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     if not on_cpu and not getattr(model.net, "rows_exact", False):
         return 1
-    return exact_rows()
+    return exact_rows(model.net, model.dtype)
 
 
 def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:

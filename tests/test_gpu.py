@@ -474,9 +474,14 @@ def gpu_models(tmp_path_factory):
         vocab_size=32768,
         dtype="bfloat16",
     )
+    import mlx.nn as nn
+
+    quantized = qwen38_backend.load(str(big), dtype="bfloat16")
+    nn.quantize(quantized.net, group_size=64, bits=4)  # its quantized products run unpadded
     return {
         "tiny": qwen38_backend.load(str(tiny), dtype="bfloat16"),
         "27b": qwen38_backend.load(str(big), dtype="bfloat16"),
+        "27b-4bit": quantized,
     }
 
 
@@ -484,11 +489,15 @@ STORES = {"contiguous": {}, "paged": {"kv_paged": "on", "kv_page_tokens": 16}}
 
 
 @pytest.mark.parametrize("store", list(STORES))
-@pytest.mark.parametrize("dims", ["tiny", "27b"])
+@pytest.mark.parametrize("dims", ["tiny", "27b", "27b-4bit"])
 def test_verify_rows_equal_plain_steps_on_gpu(gpu_models, dims, store):
     """Row i of a verify forward of 5 positions has the logits of the plain step at that
     position, bit for bit (before rows.py the H200 differed by up to 0.5)."""
+    from qwen38_backend import rows
+
     model = gpu_models[dims]
+    if dims.endswith("4bit"):  # one-row quantized products, verified unpadded (rows.py)
+        assert rows.quantized_plan(model.net, model.dtype)[1] >= 5
     prefix, tail = [(5 * i + 3) % 200 + 2 for i in range(37)], [7, 8, 9, 10, 11]
     one, many = model.new_state(**STORES[store]), model.new_state(**STORES[store])
     model.prefill(prefix, one)
@@ -500,7 +509,7 @@ def test_verify_rows_equal_plain_steps_on_gpu(gpu_models, dims, store):
         assert np.array_equal(rows[i], step), f"row {i}: max diff {np.abs(rows[i] - step).max()}"
 
 
-@pytest.mark.parametrize("dims", ["tiny", "27b"])
+@pytest.mark.parametrize("dims", ["tiny", "27b", "27b-4bit"])
 def test_drafted_greedy_equals_plain_on_gpu(gpu_models, dims, monkeypatch):
     """Greedy with drafts == without, token for token: MTP drafts, and n-gram drafts from the
     plain stream with a third of their tokens corrupted (accepted and rejected rounds)."""

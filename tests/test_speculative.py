@@ -953,3 +953,71 @@ def test_cancel_ends_after_the_current_token(dense, oracle):
         if len(got) == 3:
             cancel.set()
     assert got == full[:3] and stats.finish_reason == "cancelled"
+
+
+def test_quantized_products_run_unpadded_where_their_rows_are_exact(monkeypatch):
+    """Where products are padded (a GPU's plan), a quantized linear runs unpadded when the
+    probe finds each of its rows equal to the one-row product for 2..R rows: a plain step
+    keeps the one-row kernel and a verify has at most R rows (`exact_rows`). A quantized
+    product whose rows differ from 2 rows on keeps every quantized product padded."""
+    import mlx.nn as nn
+
+    seen = []
+
+    def linear(differs_from: int):
+        class Probed(nn.QuantizedLinear):  # a kernel chosen by the row count, as MLX's qmm
+            def __call__(self, x):
+                seen.append(x.shape[0])
+                y = super().__call__(x)
+                return y + 1e-3 if x.shape[0] >= differs_from else y
+
+        layer = Probed(64, 32 + differs_from, group_size=32, bits=4)  # one key per layer
+        return layer
+
+    monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
+    monkeypatch.setattr(rows, "_splits", lambda: False)  # a GPU's plan: rows together
+    x = mx.random.normal((1, 64), key=mx.random.key(2))
+
+    net = nn.Module()
+    net.a, net.b, net.dense = linear(99), linear(4), nn.Linear(64, 8)
+    assert rows.quantized_plan(net, mx.float32)[1] == 3
+    assert rows.exact_rows(net, mx.float32) == 3 and rows.exact_rows() == 8
+    rows.prepare(mx.float32, net, 1)
+    seen.clear()
+    rows.project(net.a, x)
+    rows.project(net.b, mx.concatenate([x, x, x]))
+    assert seen == [1, 3]  # not padded
+    bad = nn.Module()
+    bad.a, bad.b = linear(99), linear(2)
+    assert rows.quantized_plan(bad, mx.float32) == (frozenset(), 0)
+    assert rows.exact_rows(bad, mx.float32) == 8
+    rows.prepare(mx.float32, bad, 1)
+    seen.clear()
+    rows.project(bad.a, x)
+    assert seen == [8]  # padded, as before
+    monkeypatch.undo()
+    rows.prepare(mx.float32)
+
+
+def test_quantized_model_drafts_equal_plain_with_a_gpus_padding(tmp_path, monkeypatch, oracle):
+    """A 4-bit tiny qwen3_5 under a GPU's padding plan: its quantized products run unpadded
+    (the probe finds their rows exact here), so plain steps use one-row products, and drafted
+    greedy output still equals plain, token for token."""
+    import mlx.nn as nn
+
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path)))
+    nn.quantize(
+        model.net,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
+    )
+    monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
+    keys, most = rows.quantized_plan(model.net, model.dtype)
+    assert keys and most == 8  # MLX's CPU quantized product computes each row alone
+    assert speculative.verify_rows(model) == 8
+    prompt = [5, 9, 13, 17, 21, 25, 29]
+    plain, _ = run(model, prompt, 24, stop_token_ids=[], draft="off")
+    oracle(prompt, plain, 0)
+    spec, stats = run(model, prompt, 24, stop_token_ids=[], **NGRAM)
+    assert spec == plain and 0 < stats.accepted < stats.drafted
