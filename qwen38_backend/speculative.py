@@ -52,7 +52,7 @@ import mlx.core as mx
 from . import drafts
 from .errors import InvalidOptionError
 from .generation import stop_reason
-from .rows import STEP_MAX_ROWS, exact_rows
+from .rows import STEP_MAX_ROWS, exact_rows, pad_rows, quantized_plan
 from .sampling import Sampler, SamplingParams
 from .state import SequenceState
 
@@ -74,7 +74,7 @@ FIRST_PAUSE = 16
 MTP_STEP_COST = 0.1
 
 
-def verify_cost(rows: int, gpu: bool | None = None) -> float:
+def verify_cost(rows: int, gpu: bool | None = None, weights_per_row: bool = False) -> float:
     """A forward of `rows` positions in plain decode steps (measured: module docstring).
 
     On a GPU a round costs more than its verify's device time: plain steps are pipelined
@@ -82,12 +82,25 @@ def verify_cost(rows: int, gpu: bool | None = None) -> float:
     tokens before it can build the next. Measured on the H200 (64 layers of 27B dims, 4K,
     benchmarks/results/h200/verify_rows_kernel.json) against a pipelined plain step (16.9
     ms): a synchronous verify of 2 / 3 / 4 / 5 rows 1.41 / 1.67 / 1.59 / 1.84 steps, and
-    rounds of 5 rows end to end (p 0.9, nearly every forward a round) 1.97 steps."""
+    rounds of 5 rows end to end (p 0.9, nearly every forward a round) 1.97 steps.
+    `weights_per_row`: a GPU verify whose quantized products read the weights once per row
+    (rows.quantized_plan; 4-bit 27B, verify_4bit.json, against an 18.3 ms pipelined step:
+    1.86 / 2.75 / 3.53 / 4.31 steps)."""
     if rows <= 1:
         return 1.0
     if gpu is None:
         gpu = mx.default_device().type == mx.DeviceType.gpu
+    if gpu and weights_per_row:
+        return 1.04 + 0.82 * (rows - 1)
     return 1.4 + 0.15 * (rows - 1) if gpu else 1.22 + 0.14 * (rows - 1)
+
+
+def reads_weights_per_row(model: Model) -> bool:
+    """Whether a verify of `model` here reads its quantized weights once per row (a GPU,
+    quantized products unpadded: rows.quantized_plan)."""
+    if mx.default_device().type != mx.DeviceType.gpu or pad_rows() <= 1:
+        return False
+    return bool(quantized_plan(model.net, model.dtype)[0])
 
 
 @dataclass(frozen=True)
@@ -174,7 +187,8 @@ def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:
             f"draft='mtp': {model.name} has no MTP head (no mtp.* weights); "
             "use draft='ngram' or 'off'"
         )
-    return DraftOptions(mode=mode, tokens=options.tokens or min(DEFAULT_TOKENS[mode], limit))
+    default = 1 if reads_weights_per_row(model) else DEFAULT_TOKENS[mode]  # verify_cost
+    return DraftOptions(mode=mode, tokens=options.tokens or min(default, limit))
 
 
 def applies(options: DraftOptions | None, params: SamplingParams) -> bool:
@@ -275,6 +289,7 @@ def decode(
     start = len(index) if index is not None else 0
     throttles: dict[int, Throttle] = {}  # by n-gram match length (MTP: 0)
     replays = _can_replay(state)
+    per_row = reads_weights_per_row(model)  # what a round costs (verify_cost)
     n = 0
     gate = True  # closes for good: a store that selects at some length selects beyond it
     # `pending`: tokens decided but not yet yielded (a list, or a plain run yielding them as
@@ -326,11 +341,11 @@ def decode(
             pending = _plain_run(model, state, last, sampler, history, run, stats, track, ends)
             continue
         pending = _round(model, state, last, draft, sampler, history, stats, track, keep, stop_ids)
-        gain = len(pending) - verify_cost(len(draft) + 1)
+        gain = len(pending) - verify_cost(len(draft) + 1, weights_per_row=per_row)
         if track is not None:
             gain -= MTP_STEP_COST * len(draft)
         if len(pending) <= len(draft) and not state.can_truncate and not replays:
-            gain -= verify_cost(len(pending))  # the re-feed
+            gain -= verify_cost(len(pending), weights_per_row=per_row)  # the re-feed
         throttles[kind].record(n, gain)
         limit = options.tokens if len(pending) > 1 else 1
 

@@ -558,6 +558,15 @@ def test_gpu_round_costs_pause_drafts_that_win_only_on_the_cpu():
     assert cpu.pauses == 0 and gpu.pauses == 1
     assert speculative.verify_cost(1, gpu=True) == 1.0
     assert speculative.verify_cost(3) == speculative.verify_cost(3, gpu=False)  # this CPU
+    # a quantized GPU verify reads its weights once per row: even k 1 at acceptance 0.7
+    # (1.7 tokens a round) loses there, and pauses
+    per_row = Throttle()
+    for i in range(speculative.WINDOW):
+        per_row.record(i, 1.7 - speculative.verify_cost(2, gpu=True, weights_per_row=True))
+    assert per_row.pauses == 1
+    assert speculative.verify_cost(2, gpu=False, weights_per_row=True) == speculative.verify_cost(
+        2, gpu=False
+    )
 
 
 def test_always_wrong_drafts_stop_being_drafted(dense, monkeypatch):
