@@ -140,6 +140,9 @@ def _input_width(module: nn.Module) -> int:
 def _linear_key(linear) -> tuple | None:
     """What decides how a product runs: the kind of map, its weight's shape and dtype, a
     bias, quantization. None for anything else (run row by row where rows split)."""
+    cached = getattr(linear, "__dict__", {}).get("_rows_key")  # a step asks per product
+    if cached is not None and cached[0] is linear.get("weight"):
+        return cached[1]
     owner = getattr(linear, "__self__", None)
     module = owner if getattr(linear, "__name__", "") == "as_linear" else linear
     if not isinstance(module, _LINEAR_KINDS):
@@ -147,7 +150,10 @@ def _linear_key(linear) -> tuple | None:
     weight = module.weight
     quant = (module.bits, module.group_size) if hasattr(module, "bits") else None
     kind = "head" if module is owner else type(module).__name__
-    return (kind, tuple(weight.shape), str(weight.dtype), "bias" in module, quant)
+    key = (kind, tuple(weight.shape), str(weight.dtype), "bias" in module, quant)
+    if module is linear:
+        module.__dict__["_rows_key"] = (weight, key)
+    return key
 
 
 _LINEAR_KINDS = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
