@@ -97,10 +97,10 @@ def verify_cost(rows: int, gpu: bool | None = None, weights_per_row: bool = Fals
 
 def reads_weights_per_row(model: Model) -> bool:
     """Whether a verify of `model` here reads its quantized weights once per row (a GPU,
-    quantized products unpadded: rows.quantized_plan)."""
+    MLX's quantized products unpadded: rows.quantized_plan)."""
     if mx.default_device().type != mx.DeviceType.gpu or pad_rows() <= 1:
         return False
-    return bool(quantized_plan(model.net, model.dtype)[0])
+    return quantized_plan(model.net, model.dtype)[0] == "unpadded"
 
 
 @dataclass(frozen=True)

@@ -989,7 +989,7 @@ def test_quantized_products_run_unpadded_where_their_rows_are_exact(monkeypatch)
 
     net = nn.Module()
     net.a, net.b, net.dense = linear(99), linear(4), nn.Linear(64, 8)
-    assert rows.quantized_plan(net, mx.float32)[1] == 3
+    assert rows.quantized_plan(net, mx.float32)[::2] == ("unpadded", 3)
     assert rows.exact_rows(net, mx.float32) == 3 and rows.exact_rows() == 8
     rows.prepare(mx.float32, net, 1)
     seen.clear()
@@ -998,7 +998,7 @@ def test_quantized_products_run_unpadded_where_their_rows_are_exact(monkeypatch)
     assert seen == [1, 3]  # not padded
     bad = nn.Module()
     bad.a, bad.b = linear(99), linear(2)
-    assert rows.quantized_plan(bad, mx.float32) == (frozenset(), 0)
+    assert rows.quantized_plan(bad, mx.float32) == ("", frozenset(), 0)
     assert rows.exact_rows(bad, mx.float32) == 8
     rows.prepare(mx.float32, bad, 1)
     seen.clear()
@@ -1022,11 +1022,69 @@ def test_quantized_model_drafts_equal_plain_with_a_gpus_padding(tmp_path, monkey
         class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
     )
     monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
-    keys, most = rows.quantized_plan(model.net, model.dtype)
-    assert keys and most == 8  # MLX's CPU quantized product computes each row alone
+    mode, keys, most = rows.quantized_plan(model.net, model.dtype)
+    # MLX's CPU quantized product computes each row alone (no rows kernel on the CPU)
+    assert mode == "unpadded" and keys and most == 8
     assert speculative.verify_rows(model) == 8
     prompt = [5, 9, 13, 17, 21, 25, 29]
     plain, _ = run(model, prompt, 24, stop_token_ids=[], draft="off")
     oracle(prompt, plain, 0)
     spec, stats = run(model, prompt, 24, stop_token_ids=[], **NGRAM)
     assert spec == plain and 0 < stats.accepted < stats.drafted
+
+
+def test_quantized_products_go_to_the_quantized_rows_kernel_where_it_passed(
+    tmp_path, monkeypatch, oracle
+):
+    """Where the quantized rows kernel passed its probe (CUDA; here a stand-in computing each
+    row alone with MLX's product), a GPU plan sends every quantized step product to it: no
+    padding, verifies up to the padded row count, the same tokens drafted or not; where it
+    did not pass, MLX's own product runs unpadded (the probe above)."""
+    import mlx.nn as nn
+    from qwen38_backend.kernels import rows_qmatmul as real
+
+    calls = []
+
+    class StandIn:
+        fits = staticmethod(real.fits)
+        passed = True
+
+        @staticmethod
+        def available(dtype, bits, group):
+            return StandIn.passed
+
+        @staticmethod
+        def rows_qmatmul(x, w, scales, biases, bits):
+            calls.append(x.shape[0])
+            group = x.shape[1] // scales.shape[1]
+            return mx.concatenate(
+                [
+                    mx.quantized_matmul(x[i : i + 1], w, scales, biases, True, group, bits)
+                    for i in range(x.shape[0])
+                ]
+            )
+
+    monkeypatch.setattr(rows, "_qkernel_module", lambda: StandIn)
+    monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path)))
+    nn.quantize(
+        model.net,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
+    )
+    assert rows.quantized_plan(model.net, model.dtype)[::2] == ("kernel", rows.STEP_MAX_ROWS)
+    assert speculative.verify_rows(model) == 8 and not speculative.reads_weights_per_row(model)
+    prompt = [5 + 4 * i for i in range(rows.STEP_MAX_ROWS + 4)]  # a prefill, not a step
+    plain, _ = run(model, prompt, 16, stop_token_ids=[], draft="off")
+    assert calls and set(calls) == {1}  # plain steps: one row, not padded
+    oracle(prompt, plain, 0)
+    spec, stats = run(model, prompt, 16, stop_token_ids=[], **NGRAM)
+    assert spec == plain and 0 < stats.accepted < stats.drafted
+    assert max(calls) > 1  # verifies went through it whole
+    StandIn.passed = False
+    other = nn.Module()
+    other.q = nn.QuantizedLinear(64, 16, group_size=32, bits=4)
+    assert rows.quantized_plan(other, mx.float32)[0] == "unpadded"
+    monkeypatch.undo()
+    rows.prepare(mx.float32)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..rows import STEP_MAX_ROWS, forward_pad, kernel_dtype, project, split_rows
+from ..rows import STEP_MAX_ROWS, forward_pad, kernel_dtype, project, quantized_mode, split_rows
 from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
 
 
@@ -261,7 +261,7 @@ class Attention(nn.Module):
 def compiled(module: nn.Module, method: str) -> Callable:
     """`module.method` under mx.compile, traced once per module (and row padding: a trace
     holds how the products in it run: rows.forward_pad(), rows.kernel_dtype(),
-    rows.split_rows()).
+    rows.split_rows(), rows.quantized_mode()).
 
     The module's parameters are implicit inputs (read at every call, so replaced weights are
     seen). Meant for the fixed-shape pieces of a decode step: one graph replay with fused
@@ -269,7 +269,7 @@ def compiled(module: nn.Module, method: str) -> Callable:
     what separates the kernels.
     """
     cache = module.__dict__.setdefault("_compiled_methods", {})
-    key = (method, forward_pad(), kernel_dtype(), split_rows())
+    key = (method, forward_pad(), kernel_dtype(), split_rows(), quantized_mode())
     if key not in cache:
         cache[key] = mx.compile(getattr(module, method), inputs=module)
     return cache[key]
