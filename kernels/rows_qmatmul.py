@@ -66,7 +66,9 @@ _SOURCE = """
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int e = 0; e < PER_WORD; ++e)
-                    q[i * PER_WORD + e] = static_cast<float>((words[i] >> (B * e)) & MASK);
+                    // exact for v < 2^23, and full-rate (an int-to-float cvt is not)
+                    q[i * PER_WORD + e] =
+                        __int_as_float(0x4B000000u | ((words[i] >> (B * e)) & MASK)) - 8388608.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float dot = 0.0f, sum = 0.0f;
