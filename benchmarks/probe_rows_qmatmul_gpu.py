@@ -29,7 +29,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import mlx.core as mx
-
     from qwen38_backend.kernels import rows_qmatmul as kernel
 
     def timed(fn) -> float:
@@ -54,8 +53,9 @@ def main() -> None:
         row = {}
         for rows in (int(r) for r in args.rows.split(",")):
             x = mx.random.normal((rows, k)).astype(mx.bfloat16)
-            ours = timed(lambda x=x: kernel.rows_qmatmul(x, w, scales, biases, bits))
-            mlx = timed(lambda x=x: mx.quantized_matmul(x, w, scales, biases, True, gs, bits))
+            ops = (x, w, scales, biases)
+            ours = timed(lambda ops=ops: kernel.rows_qmatmul(*ops, bits))
+            mlx = timed(lambda ops=ops: mx.quantized_matmul(*ops, True, gs, bits))
             row[str(rows)] = {
                 "ours_us": ours * 1e6,
                 "mlx_us": mlx * 1e6,
