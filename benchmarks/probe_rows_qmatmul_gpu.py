@@ -8,6 +8,7 @@ bytes per second each reaches (the weights are what a decode step reads).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    os.environ.setdefault("QWEN38_ROWS_QKERNEL", "auto")  # off by default until measured
     import mlx.core as mx
     from qwen38_backend.kernels import rows_qmatmul as kernel
 

@@ -13,6 +13,10 @@ packed weights (32 weights at 4 bits) in ascending order, fp32 sums with fmaf (p
 scale * sum(x q) + bias * sum(x), the affine dequantisation folded in), then a warp
 butterfly. `available()` probes the kernel once per (dtype, bits, group size): rows equal to
 one-row launches bit for bit and close to an fp32 product of the dequantised weights.
+It is off unless QWEN38_ROWS_QKERNEL=auto until it has been measured on a GPU (written in
+session 10 with no device time left; compiled under NVRTC for sm_90 only):
+`benchmarks/probe_rows_qmatmul_gpu.py` against MLX's product, then
+`QWEN38_ROWS_QKERNEL=auto python benchmarks/bench_gpu_27b.py --bits 4` against the default.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .decode_attention import _HEADER as VECTORS  # Vec<T>: 16 bytes of T -> flo
 from .rows_matmul import DTYPES, LOADS, ROWS_PER_LAUNCH, THREADS, supported
 
 BITS = (4, 8)
+DEFAULT = "off"  # until benchmarks/probe_rows_qmatmul_gpu.py measures it on a GPU (available)
 
 # Template constants from the call: T (x's dtype), B (bits), R (rows), NW (outputs per
 # warp), U (packed vectors a lane loads per output before using them).
@@ -192,8 +197,10 @@ def available(dtype: mx.Dtype, bits: int, group_size: int) -> bool:
     """True when the kernel runs here, its rows equal one-row launches bit for bit and it
     agrees with an fp32 product of the dequantised weights (probed once per dtype, bits and
     group size); else False, with a warning when it ran but disagreed.
-    QWEN38_ROWS_KERNEL: auto | off | force (skip the probe)."""
-    choice = os.environ.get("QWEN38_ROWS_KERNEL", "auto")
+    QWEN38_ROWS_QKERNEL: off (default: written without device time, it has not yet been
+    measured against MLX's qmv, which a plain 4-bit step runs otherwise) | auto (probe) |
+    force (skip the probe)."""
+    choice = os.environ.get("QWEN38_ROWS_QKERNEL", DEFAULT)
     if choice == "off" or dtype not in DTYPES or bits not in BITS or not supported():
         return False
     if choice == "force":
