@@ -17,6 +17,7 @@ import argparse
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,7 +41,47 @@ class SlidingThrottle(Throttle):
             self.gains = []
 
 
-def speedup(rule: type[Throttle], p: float, k: int, tokens: int, seed: int) -> float:
+class UncappedThrottle(Throttle):
+    """Reset after a winning window, but no cap on the doubling."""
+
+    def record(self, n: int, gain: float) -> None:
+        self.gains.append(gain)
+        if len(self.gains) < WINDOW:
+            return
+        if sum(self.gains) <= 0:
+            self.resume_at = n + self.pause
+            self.pause *= 2
+            self.pauses += 1
+        else:
+            self.pause = FIRST_PAUSE
+        self.gains.clear()
+
+
+class NoResetThrottle(Throttle):
+    """The rule before session 10: the pause doubles for the rest of the stream, whatever
+    the windows in between gained."""
+
+    def record(self, n: int, gain: float) -> None:
+        self.gains.append(gain)
+        if len(self.gains) < WINDOW:
+            return
+        if sum(self.gains) <= 0:
+            self.resume_at = n + self.pause
+            self.pause *= 2
+            self.pauses += 1
+        self.gains.clear()
+
+
+def agreement(spec: str, phase: int) -> Callable[[int], float]:
+    """p at token n: "0.65" everywhere, or "0.2/0.9" alternating every `phase` tokens (prose
+    between copied spans)."""
+    values = [float(v) for v in spec.split("/")]
+    return lambda n: values[(n // phase) % len(values)]
+
+
+def speedup(
+    rule: type[Throttle], p: Callable[[int], float], k: int, tokens: int, seed: int
+) -> float:
     rng, throttle, n, spent = random.Random(seed), rule(), 0, 0.0
     cost = verify_cost(k + 1, gpu=True)
     while n < tokens:
@@ -48,7 +89,7 @@ def speedup(rule: type[Throttle], p: float, k: int, tokens: int, seed: int) -> f
             n, spent = n + 1, spent + 1.0
             continue
         accepted = 0
-        while accepted < k and rng.random() < p:
+        while accepted < k and rng.random() < p(n + accepted):
             accepted += 1
         throttle.record(n, accepted + 1 - cost)
         n, spent = n + accepted + 1, spent + cost
@@ -57,22 +98,34 @@ def speedup(rule: type[Throttle], p: float, k: int, tokens: int, seed: int) -> f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--p", default="0.2,0.35,0.5,0.65,0.8,0.9")
+    ap.add_argument(
+        "--p",
+        default="0.2,0.35,0.5,0.65,0.8,0.9,0.2/0.9,0.35/0.8",
+        help="agreement per stream: p, or a/b alternating every --phase tokens",
+    )
+    ap.add_argument("--phase", type=int, default=64)
     ap.add_argument("--max-k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--seeds", type=int, default=400)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rules = {"windows_apart": Throttle, "sliding": SlidingThrottle}
+    rules = {
+        "windows_apart": Throttle,
+        "uncapped": UncappedThrottle,
+        "no_reset": NoResetThrottle,
+        "sliding": SlidingThrottle,
+    }
     out: dict = {
         "window": WINDOW,
         "first_pause": FIRST_PAUSE,
         "round_cost": {str(r): verify_cost(r, gpu=True) for r in range(2, args.max_k + 2)},
         "tokens": args.tokens,
+        "phase": args.phase,
         "seeds": args.seeds,
         "by_p": {},
     }
-    for p in (float(x) for x in args.p.split(",")):
+    for spec in args.p.split(","):
+        p = agreement(spec, args.phase)
         row = {}
         for name, rule in rules.items():
             by_k = {
@@ -81,7 +134,7 @@ def main() -> None:
             }
             best = max(by_k, key=by_k.get)
             row[name] = {"best_k": best, "speedup": by_k[best], "by_k": by_k}
-        out["by_p"][str(p)] = row
+        out["by_p"][spec] = row
     out["module"] = speculative.__file__
     write_json(out, args.out)
 

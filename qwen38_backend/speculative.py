@@ -30,9 +30,13 @@ OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 
 steps for T >= 2). Each round's gain is its tokens minus its cost in steps (and minus a
 re-feed after a rejection where one is needed, and 0.1 step per MTP draft token); when 4
 rounds (one window; windows do not overlap) together gained nothing, drafting pauses for 16
-tokens, then 32, 64, ... so a stream where drafts keep failing ends up decoding plainly at a
-bounded loss. n-gram drafts are throttled apart by match length: in prose one-token matches
-keep failing while a copied span (3-token matches) keeps paying off.
+tokens, then 32, then 64 (MAX_PAUSE) each time, so a stream where drafts keep failing decodes
+mostly plainly at a bounded loss, and one that turns (prose, then a copied span) is drafted
+again within 64 tokens; a window that gained resets the pause to 16 (benchmarks/throttle_sim.py:
+H200 round costs, 512 tokens, p alternating 0.2 / 0.9 every 64 tokens 1.00x -> 1.06x, p 0.65
+1.09x -> 1.17x, always losing at p 0.2 0.986x -> 0.975x). n-gram drafts are throttled apart
+by match length: in prose one-token matches keep failing while a copied span (3-token
+matches) keeps paying off.
 Steps without drafts run pipelined as Model.decode's (the next step queued before a token is
 read back) for as long as no draft is coming: through a pause, after the gate closed, and in
 n-gram mode until a lookup on the tokens read so far finds a draft (one token late: the step
@@ -71,6 +75,7 @@ MAX_TOKENS = STEP_MAX_ROWS - 1  # a verify is a step (rows.py)
 # the throttle (module docstring)
 WINDOW = 4
 FIRST_PAUSE = 16
+MAX_PAUSE = 64  # drafts are tried again at least this often (a stream changes: prose, a copy)
 MTP_STEP_COST = 0.1
 
 
@@ -241,8 +246,10 @@ class Throttle:
             return
         if sum(self.gains) <= 0:
             self.resume_at = n + self.pause
-            self.pause *= 2
+            self.pause = min(2 * self.pause, MAX_PAUSE)
             self.pauses += 1
+        else:  # drafting pays again (a copied span after prose): the next pause starts short
+            self.pause = FIRST_PAUSE
         self.gains.clear()
 
 

@@ -544,7 +544,28 @@ def test_throttle_pauses_losing_drafts_and_doubles():
         t.record(40 + i, -0.3)
         assert t.pauses == 1
     t.record(50, -0.3)
-    assert t.pauses == 2 and t.resume_at == 50 + 2 * speculative.FIRST_PAUSE
+    # the winning window reset the pause: a stream that pays again is re-checked soon
+    assert t.pauses == 2 and t.resume_at == 50 + speculative.FIRST_PAUSE
+
+
+def test_throttle_pause_doubles_up_to_a_cap_while_drafts_keep_losing():
+    """Losing windows back to back double the pause up to MAX_PAUSE, so drafting is tried
+    again at least that often (a copied span after prose is found; benchmarks/throttle_sim.py:
+    streams alternating p 0.2 / 0.9 every 64 tokens 1.00x -> 1.06x, a stream that always
+    loses at p 0.2 0.986x -> 0.975x, 512 tokens, H200 round costs)."""
+    t, n, pauses = Throttle(), 0, []
+    for _ in range(8):
+        while not t.allows(n):
+            n += 1
+        start = n
+        for _ in range(speculative.WINDOW):
+            t.record(n, -0.3)
+            n += 1
+        pauses.append(t.resume_at - (n - 1))
+        assert start < n
+    first, cap = speculative.FIRST_PAUSE, speculative.MAX_PAUSE
+    assert pauses[:3] == [first, 2 * first, 4 * first] and max(pauses) == cap
+    assert pauses[-1] == cap and t.pauses == 8
 
 
 def test_gpu_round_costs_pause_drafts_that_win_only_on_the_cpu():
