@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 
 import mlx.core as mx
+
+from .switch import kernel_switch
 
 THREADS = 256  # the partial kernel's block: 8 warps
 TILE = 32  # rows per pipeline stage (one per lane in the softmax step)
@@ -518,7 +519,7 @@ def decode_attention(
 
 def enabled() -> str:
     """QWEN38_DECODE_ATTN_KERNEL: auto (probe), off, force (skip the probe)."""
-    return os.environ.get("QWEN38_DECODE_ATTN_KERNEL", "auto")
+    return kernel_switch("QWEN38_DECODE_ATTN_KERNEL")
 
 
 def supported(q: mx.array, k: mx.array, v: mx.array) -> bool:

@@ -19,12 +19,13 @@ One block per value head, 256 threads (8 warps); each warp updates rows of the h
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import mlx.core as mx
 
 from qwen38_backend.models.gated_delta import CoreSpec, gdn_core
+
+from .switch import kernel_switch
 
 THREADS = 256
 
@@ -225,7 +226,7 @@ def supported(spec: CoreSpec) -> bool:
 def available(spec: CoreSpec, dtype: mx.Dtype) -> bool:
     """True when the kernel runs here and agrees with the op path on random inputs (probed
     once per shape and dtype); else False, with a warning when it ran but disagreed."""
-    choice = os.environ.get("QWEN38_GDN_KERNEL", "auto")  # auto | off | force (skip the probe)
+    choice = kernel_switch("QWEN38_GDN_KERNEL")  # auto | off | force (skip the probe)
     if choice == "off" or not supported(spec):
         return False
     if choice == "force":

@@ -27,12 +27,13 @@ each kernel once against the op path; any error or mismatch leaves that part to 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import mlx.core as mx
 
 from qwen38_backend.models.gated_delta import scan_chunks, solve_chunks
+
+from .switch import kernel_switch
 
 THREADS = 256
 COLUMNS = 32  # value columns per block: one warp's lanes
@@ -265,7 +266,7 @@ def available(kind: str, dk: int, dv: int, chunk: int) -> bool:
     """True when kernel `kind` ("solve" or "scan") runs here and agrees with the op path on
     random inputs (`probe`, once per shape); else False, with a warning when it ran but
     disagreed. QWEN38_GDN_PREFILL_KERNEL: auto | off | force (skip the probe)."""
-    choice = os.environ.get("QWEN38_GDN_PREFILL_KERNEL", "auto")
+    choice = kernel_switch("QWEN38_GDN_PREFILL_KERNEL")
     if choice == "off" or not supported(dk, dv, chunk):
         return False
     if choice == "force":

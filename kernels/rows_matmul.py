@@ -20,12 +20,12 @@ padded MLX product then runs).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import mlx.core as mx
 
 from .decode_attention import _HEADER as VECTORS  # Vec<T>: 16 bytes of T -> floats
+from .switch import kernel_switch
 
 THREADS = 256
 ROWS_PER_LAUNCH = 8
@@ -158,7 +158,7 @@ def available(dtype: mx.Dtype) -> bool:
     """True when the kernel runs here, its rows equal one-row launches bit for bit and it
     agrees with an fp32 product (probed once per dtype); else False, with a warning when it
     ran but disagreed. QWEN38_ROWS_KERNEL: auto | off | force (skip the probe)."""
-    choice = os.environ.get("QWEN38_ROWS_KERNEL", "auto")
+    choice = kernel_switch("QWEN38_ROWS_KERNEL")
     if choice == "off" or dtype not in DTYPES or not supported():
         return False
     if choice == "force":

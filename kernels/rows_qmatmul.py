@@ -22,13 +22,13 @@ session 10 with no device time left; compiled under NVRTC for sm_90 only):
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import mlx.core as mx
 
 from .decode_attention import _HEADER as VECTORS  # Vec<T>: 16 bytes of T -> floats
 from .rows_matmul import DTYPES, LOADS, ROWS_PER_LAUNCH, THREADS, supported
+from .switch import kernel_switch
 
 BITS = (4, 8)
 DEFAULT = "off"  # until benchmarks/probe_rows_qmatmul_gpu.py measures it on a GPU (available)
@@ -200,7 +200,7 @@ def available(dtype: mx.Dtype, bits: int, group_size: int) -> bool:
     QWEN38_ROWS_QKERNEL: off (default: written without device time, it has not yet been
     measured against MLX's qmv, which a plain 4-bit step runs otherwise) | auto (probe) |
     force (skip the probe)."""
-    choice = os.environ.get("QWEN38_ROWS_QKERNEL", DEFAULT)
+    choice = kernel_switch("QWEN38_ROWS_QKERNEL", DEFAULT)
     if choice == "off" or dtype not in DTYPES or bits not in BITS or not supported():
         return False
     if choice == "force":

@@ -84,3 +84,29 @@ def test_split_count():
     for length in (1, 7, 255, 4096, 33000, 262144):
         s = kernel.n_splits(length, 4)
         assert 1 <= s <= length and -(-length // s) * (s - 1) < length  # no empty split
+
+
+@pytest.mark.parametrize(
+    "variable", ["QWEN38_QUEST_KERNEL", "QWEN38_ROWS_KERNEL", "QWEN38_DECODE_ATTN_KERNEL"]
+)
+def test_an_unknown_kernel_switch_is_refused_by_name(monkeypatch, variable):
+    """auto | off | force, read by one helper: a typo is an error naming the variable and
+    the choices, not a silent auto."""
+    from qwen38_backend.kernels import decode_attention, rows_matmul
+    from qwen38_backend.kernels.switch import kernel_switch
+
+    from qwen38_backend.kv import quest
+
+    monkeypatch.setenv(variable, "Off ")
+    assert kernel_switch(variable) == "off"
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(ValueError, match=f"{variable}='yes': must be one of auto, off, force"):
+        kernel_switch(variable)
+    with pytest.raises(ValueError, match=variable):
+        if variable == "QWEN38_QUEST_KERNEL":
+            q, meta = mx.zeros((4, 64)), mx.zeros((2, 8, 64))
+            quest.kernel_usable(q, meta, meta)
+        elif variable == "QWEN38_ROWS_KERNEL":
+            rows_matmul.available.__wrapped__(mx.float32)
+        else:
+            decode_attention.enabled()

@@ -23,7 +23,6 @@ selection recall the most attention mass at the same token budget (8-token pages
 
 from __future__ import annotations
 
-import os
 import warnings
 from functools import lru_cache, partial
 
@@ -225,9 +224,13 @@ def _kernel_module():
 def kernel_usable(q: mx.array, kmin: mx.array, kmax: mx.array) -> bool:
     """Whether the page-key kernel runs for these operands. QWEN38_QUEST_KERNEL: auto (probe
     once per shape, `kernel_mismatch`), off, force (skip the probe)."""
-    choice = os.environ.get("QWEN38_QUEST_KERNEL", "auto")
     kernel = _kernel_module()
-    if choice == "off" or kernel is None or not kernel.supported(q, kmin, kmax):
+    if kernel is None:
+        return False
+    from ..kernels.switch import kernel_switch  # present with the kernel module
+
+    choice = kernel_switch("QWEN38_QUEST_KERNEL")
+    if choice == "off" or not kernel.supported(q, kmin, kmax):
         return False
     if choice == "force":
         return True
