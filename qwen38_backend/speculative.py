@@ -161,7 +161,8 @@ def verify_rows(model: Model) -> int:
 
 
 def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:
-    """What `model` runs: MTP for auto when it has a head, else nothing; mtp without a head is
+    """What `model` runs: MTP for auto when it has a head (and a verify does not read the
+    weights once per row here), else nothing; mtp without a head is
     refused before any work, and so is drafting where verify rows would not match plain
     steps (`verify_rows`; auto then decodes plainly) or more draft tokens than a row-exact
     verify takes here (an unset k is capped). None: plain decoding."""
@@ -184,7 +185,9 @@ def resolve(options: DraftOptions | None, model: Model) -> DraftOptions | None:
     has_mtp = bool(getattr(model.net, "has_mtp", False))
     mode = options.mode
     if mode == "auto":
-        if not has_mtp:
+        # no head; or verify rows that each read the weights (verify_cost: even k 1 at full
+        # acceptance, 2 tokens for ~1.9 steps, barely breaks even): plain decoding
+        if not has_mtp or reads_weights_per_row(model):
             return None
         mode = "mtp"
     if mode == "mtp" and not has_mtp:

@@ -1109,3 +1109,15 @@ def test_quantized_products_go_to_the_quantized_rows_kernel_where_it_passed(
     assert rows.quantized_plan(other, mx.float32)[0] == "unpadded"
     monkeypatch.undo()
     rows.prepare(mx.float32)
+
+
+def test_auto_does_not_draft_where_verify_rows_read_the_weights_each(hybrid, monkeypatch):
+    """Where a verify reads the weights once per row (a GPU's unpadded quantized products),
+    no draft length pays (verify_cost): auto decodes plainly, an explicit choice still drafts
+    with one token by default."""
+    monkeypatch.setattr(speculative, "reads_weights_per_row", lambda model: True)
+    assert resolve(parse_options({}), hybrid) is None
+    assert resolve(parse_options({"draft": "mtp"}), hybrid) == DraftOptions("mtp", 1)
+    assert resolve(parse_options({"draft": "ngram"}), hybrid) == DraftOptions("ngram", 1)
+    monkeypatch.undo()
+    assert resolve(parse_options({}), hybrid) == DraftOptions("mtp", 2)
