@@ -1121,3 +1121,16 @@ def test_auto_does_not_draft_where_verify_rows_read_the_weights_each(hybrid, mon
     assert resolve(parse_options({"draft": "ngram"}), hybrid) == DraftOptions("ngram", 1)
     monkeypatch.undo()
     assert resolve(parse_options({}), hybrid) == DraftOptions("mtp", 2)
+
+
+def test_integrations_bound_draft_tokens_as_the_engine_does():
+    """llm's and LangChain's option fields refuse what the engine refuses (a k over
+    MAX_TOKENS), before any work."""
+    import pydantic
+    from langchain_qwen38 import chat_models
+    from llm_qwen38 import MAX_DRAFT_TOKENS, Qwen38
+
+    assert MAX_DRAFT_TOKENS == chat_models.MAX_DRAFT_TOKENS == speculative.MAX_TOKENS
+    Qwen38.Options(draft_tokens=speculative.MAX_TOKENS)
+    with pytest.raises(pydantic.ValidationError):
+        Qwen38.Options(draft_tokens=speculative.MAX_TOKENS + 1)

@@ -252,6 +252,24 @@ def test_engine_options_spill(dense, tmp_path):
     assert ref.stats.kv["pages_spilled"] == 0
 
 
+def test_a_spill_dir_that_is_a_file_is_refused_before_any_work(dense, tmp_path):
+    """kv_spill_dir naming a file is an option error when the request is built, not a spill
+    failure part-way through a prefill (before, `llm -o kv_spill_dir FILE` failed with
+    "File exists" once the pool filled); a directory that does not exist yet is created."""
+    from qwen38_backend.errors import InvalidOptionError
+
+    afile = tmp_path / "not-a-dir"
+    afile.write_text("x")
+    ids = prompt(150, dense.config.vocab_size, seed=4)
+    opts = {"kv_topk": 4 * P, "kv_page_tokens": P, "kv_sinks": P, "kv_recent": P}
+    opts["kv_pool_tokens"] = 12 * P
+    with pytest.raises(InvalidOptionError, match="is a file, not a directory"):
+        dense.generate_tokens(ids, 5, stop_token_ids=[], kv_spill_dir=str(afile), **opts)
+    fresh = tmp_path / "new" / "spill"
+    stream = dense.generate_tokens(ids, 5, stop_token_ids=[], kv_spill_dir=str(fresh), **opts)
+    assert len(list(stream)) == 5 and stream.stats.kv["pages_spilled"] > 0
+
+
 # ----- rewind and state files across spilled pages --------------------------------------------
 @pytest.mark.parametrize("where", ["inside a spilled page", "at a spilled page", "late"])
 def test_rewind_across_spilled_pages(dense, tmp_path, where):

@@ -41,6 +41,10 @@ from qwen38_backend.errors import OutputCutError
 from .messages import to_template_messages
 from .shared_models import DEFAULT_MODEL, SharedModel, shared_model
 
+# speculative.MAX_TOKENS (a verify is a step of at most 16 rows), not imported: this module
+# stays light; tests/test_speculative.py keeps the two equal
+MAX_DRAFT_TOKENS = 15
+
 __all__ = ["ChatQwen38"]
 
 PROVIDER = "qwen38"
@@ -102,7 +106,7 @@ class ChatQwen38(BaseChatModel):
     """Speculative decoding drafts (the same tokens, fewer forwards): None / `auto` = the MTP
     head when the model has one; `ngram` = copy from earlier text; `off`. The figures are in
     the last chunk's `response_metadata["draft"]`."""
-    draft_tokens: int | None = Field(default=None, ge=1, le=64)
+    draft_tokens: int | None = Field(default=None, ge=1, le=MAX_DRAFT_TOKENS)
     """Draft tokens per round (k); None: the mode's default."""
     timeout: float | None = Field(default=None, gt=0)
     """Seconds a generation may run (waiting for a busy model included) before it is stopped

@@ -16,6 +16,10 @@ from pydantic import Field, field_validator
 
 from . import _home
 
+# speculative.MAX_TOKENS (a verify is a step of at most 16 rows), not imported: this module
+# stays light; tests/test_speculative.py keeps the two equal
+MAX_DRAFT_TOKENS = 15
+
 __all__ = ["Qwen38", "AsyncQwen38", "Qwen38Options"]
 
 
@@ -65,7 +69,7 @@ class Qwen38Options(llm.Options):
         "= the MTP head when the model has one; ngram = copy from earlier text; off",
     )
     draft_tokens: int | None = Field(
-        default=None, ge=1, le=64, description="Draft tokens per round (k)"
+        default=None, ge=1, le=MAX_DRAFT_TOKENS, description="Draft tokens per round (k)"
     )
     cache: bool | None = Field(
         default=None,

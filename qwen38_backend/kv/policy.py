@@ -97,6 +97,9 @@ def choose_kv(**options) -> KVChoice:
     spill = options.get("kv_spill_dir")
     if spill is not None and not isinstance(spill, (str, Path)):
         raise InvalidOptionError(f"kv_spill_dir={spill!r}: must be a directory path")
+    if spill is not None and Path(spill).expanduser().exists():
+        if not Path(spill).expanduser().is_dir():  # found here, not when a page first spills
+            raise InvalidOptionError(f"kv_spill_dir={str(spill)!r}: is a file, not a directory")
     if paged == "off" and (pool_tokens is not None or spill is not None):
         raise InvalidOptionError(
             "kv_pool_tokens and kv_spill_dir need the paged KV store (kv_paged='on' or 'auto'); "
