@@ -406,7 +406,6 @@ def _plain_run(
     the token it stopped at fed by the step in flight, as plain decoding does."""
 
     def queue(token) -> tuple[mx.array, mx.array | None]:
-        stats.forwards += 1
         ids = token.reshape(1) if isinstance(token, mx.array) else [token]
         if track is None:
             logits, feats = model.forward(ids, state, last_only=True), None
@@ -425,6 +424,8 @@ def _plain_run(
         if more:
             following = queue(y)
         token = int(y.item())
+        stats.forwards += 1  # counted when its token is used: the step in flight at a stop
+        # is not (plain decoding pipelines the same way and reports one token per forward)
         if track is not None:
             track.step(model.net, feats, fed)
         yield token

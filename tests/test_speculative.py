@@ -1134,3 +1134,17 @@ def test_integrations_bound_draft_tokens_as_the_engine_does():
     Qwen38.Options(draft_tokens=speculative.MAX_TOKENS)
     with pytest.raises(pydantic.ValidationError):
         Qwen38.Options(draft_tokens=speculative.MAX_TOKENS + 1)
+
+
+def test_a_stream_with_nothing_to_draft_reports_one_token_per_forward(dense):
+    """n-gram mode where no lookup ever matches decodes by plain steps: one token per forward,
+    as plain decoding reports (the step in flight when the stream stops is not counted; it
+    made `qwen38 run --draft ngram --stats` print 0.91 tokens per forward)."""
+    prompt = [3, 4, 5]
+    plain, _ = run(dense, prompt, 12, stop_token_ids=[])
+    stop = plain[6]  # a stop token ends the run with the next step in flight
+    assert stop not in plain[:6]
+    tokens, stats = run(dense, prompt, 12, stop_token_ids=[stop], draft="ngram")
+    assert stats.drafted == 0  # this fixture's stream never repeats a token pair
+    assert tokens == plain[:7] and stats.forwards == len(tokens) - 1
+    assert stats.tokens_per_forward == 1.0
