@@ -165,3 +165,19 @@ def test_tool_choice_forms() -> None:
 def test_structured_output_rejects_unknown_method() -> None:
     with pytest.raises(ValueError, match="unknown method"):
         ChatQwen38().with_structured_output(Weather, method="xml")  # type: ignore[arg-type]
+
+
+def test_engine_options_as_keywords_join_model_kwargs_and_unknown_ones_are_refused() -> None:
+    """`ChatQwen38(kv_pool_tokens=...)` used to be dropped without a word (pydantic ignores
+    unknown keywords): engine options now join model_kwargs, anything else is refused by
+    name, and an option given both ways must agree; LangChain's own fields still pass."""
+    chat = ChatQwen38(model="qwen38-demo", kv_pool_tokens=64, kv_paged="on")
+    assert chat.model_kwargs == {"kv_pool_tokens": 64, "kv_paged": "on"}
+    with pytest.raises(ValueError, match="unknown option\\(s\\) bogus_option"):
+        ChatQwen38(model="qwen38-demo", bogus_option=3)
+    with pytest.raises(ValueError, match="kv_topk is given twice"):
+        ChatQwen38(model="qwen38-demo", kv_topk=64, model_kwargs={"kv_topk": 128})
+    same = ChatQwen38(model="qwen38-demo", kv_topk=64, model_kwargs={"kv_topk": 64})
+    assert same.model_kwargs == {"kv_topk": 64}
+    chat = ChatQwen38(model="qwen38-demo", tags=["t"], metadata={"a": 1}, stop_sequences=["x"])
+    assert chat.tags == ["t"] and chat.stop == ["x"] and chat.model_kwargs == {}

@@ -34,7 +34,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from qwen38_backend.errors import OutputCutError
 
@@ -114,6 +114,9 @@ class ChatQwen38(BaseChatModel):
     max_retries: int = Field(default=0, ge=0)
     """Accepted for compatibility with API-backed chat models; local generation is not
     retried."""
+    api_key: SecretStr | None = None
+    """Accepted for compatibility with API-backed chat models (LangChain's standard tests pass
+    one); neither local generation nor `qwen38 serve` uses a key."""
     streaming: bool = False
     """Whether invoke() streams internally (callbacks see tokens as they come)."""
     reasoning: bool | None = None
@@ -128,6 +131,36 @@ class ChatQwen38(BaseChatModel):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra options for every call: KV store options (`kv_paged`, `kv_topk`, ...) or extra
     chat-template variables."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_options_as_keywords(cls, values: Any) -> Any:
+        """Engine options given as keywords (`kv_pool_tokens=...`) join model_kwargs; any other
+        unknown keyword is refused by name (pydantic would drop it without a word)."""
+        if not isinstance(values, dict):
+            return values
+        fields = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        extra = [key for key in values if key not in fields]
+        if not extra:
+            return values
+        from qwen38_backend.request import KNOWN_OPTIONS
+
+        unknown = sorted(key for key in extra if key not in KNOWN_OPTIONS)
+        if unknown:
+            known = ", ".join(sorted(KNOWN_OPTIONS - fields))
+            raise ValueError(
+                f"unknown option(s) {', '.join(unknown)}; ChatQwen38 takes its fields and "
+                f"the engine's options: {known}"
+            )
+        values = dict(values)
+        kwargs = dict(values.get("model_kwargs") or {})
+        for key in extra:
+            value = values.pop(key)
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(f"{key} is given twice, as a keyword and in model_kwargs")
+            kwargs[key] = value
+        values["model_kwargs"] = kwargs
+        return values
 
     @field_validator("base_url")
     @classmethod
