@@ -273,8 +273,8 @@ def exact_rows(net: nn.Module | None = None, dtype: mx.Dtype | None = None) -> i
 
 def project(linear: nn.Module, x: mx.array) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
-    where `prepare` chose it, else fewer than pad_rows() rows padded; on the CPU each row of
-    a step alone (module docstring)."""
+    where `prepare` chose it, a quantized one as `quantized_plan` decided, else fewer than
+    pad_rows() rows padded; on the CPU each row of a step alone (module docstring)."""
     pad, kernel_for = _PLAN.get()[:2]
     if kernel_for is not None and x.shape[0] <= STEP_MAX_ROWS and x.dtype == kernel_for:
         weight, bias = _dense_weight(linear)
@@ -287,9 +287,10 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
     pad = 1 if _UNPADDED.get() else pad
     mode, keys = _PLAN.get()[3]
     if pad > 1 and mode and x.shape[0] <= STEP_MAX_ROWS and _linear_key(linear) in keys:
-        if mode == "kernel":  # row-invariant, the weights read once (quantized_plan)
-            return _quantized_product(linear, x)
-        pad = 1  # MLX's product computes each of these few rows alone (quantized_plan)
+        if mode == "unpadded":
+            pad = 1  # MLX's product computes each of these few rows alone (quantized_plan)
+        elif x.dtype == getattr(linear, "__self__", linear).scales.dtype:  # as probed
+            return _quantized_product(linear, x)  # row-invariant, the weights read once
     split = _PLAN.get()[2]
     if split is None or (split != "all" and _linear_key(linear) not in split):
         return _padded(linear, x, pad)
