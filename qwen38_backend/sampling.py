@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 
 import mlx.core as mx
 
@@ -63,6 +64,12 @@ class SamplingParams:
             raise bad("seed", "must be a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple))
+            or any(not isinstance(i, Integral) or isinstance(i, bool) or i < 0 for i in ids)
+        ):  # a string would stop on nothing, silently
+            raise bad("stop_token_ids", "must be a list of non-negative integer token ids")
 
     @property
     def greedy(self) -> bool:
