@@ -50,30 +50,34 @@ class SamplingParams:
         def bad(name: str, rule: str) -> InvalidOptionError:
             return InvalidOptionError(f"{name}={getattr(self, name)!r}: {rule}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise bad("max_tokens", "must be an integer >= 0")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 disables)")
         if not _is_number(self.min_p) or not 0 <= self.min_p < 1:
             raise bad("min_p", "must be in [0, 1)")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise bad("seed", "must be a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         ids = self.stop_token_ids
         if ids is not None and (
-            not isinstance(ids, (list, tuple))
-            or any(not isinstance(i, Integral) or isinstance(i, bool) or i < 0 for i in ids)
+            not isinstance(ids, (list, tuple)) or any(not _is_int(i) or i < 0 for i in ids)
         ):  # a string would stop on nothing, silently
             raise bad("stop_token_ids", "must be a list of non-negative integer token ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    """An integer, not a bool (JSON `true` is not a token count)."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:

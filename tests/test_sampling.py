@@ -81,6 +81,8 @@ def test_same_seed_same_stream_different_seed_differs(tmp_path):
         {"stop_token_ids": "x"},  # was accepted over HTTP, and stopped on nothing
         {"stop_token_ids": [1, -2]},
         {"stop_token_ids": [1.5]},
+        {"max_tokens": True},
+        {"seed": True},
         {"nonsense": 1},
     ],
 )
