@@ -81,9 +81,25 @@ def split_options(options: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
     if not isinstance(extra, dict):
         raise InvalidOptionError("chat_template_kwargs must be a dict of template variables")
     template = {**extra, **template}
+    thinking = template.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):  # "no" would be truthy
+        raise InvalidOptionError(f"enable_thinking={thinking!r}: must be true or false")
     request = {k: options[k] for k in ("context",) if options.get(k) is not None}
     request.update({k: v for k, v in options.items() if k in DRAFT_OPTION_KEYS})
     return sampling, kv, template, request
+
+
+def _check_tools(tools: Any) -> None:
+    """tools: a list of tool specs, each naming its function (OpenAI's {"type": "function",
+    "function": {"name": ...}} or {"name": ...})."""
+    if tools is None:
+        return
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidOptionError(f"tools={tools!r}: must be a list of tool specs")
+    for tool in tools:
+        spec = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise InvalidOptionError(f"tool {tool!r}: must be a dict naming its function")
 
 
 def tool_name(tool: dict[str, Any]) -> str:
@@ -167,6 +183,7 @@ def build_request(
 
     sampling, kv, template, limits = split_options(options)
     _check_selection_options(model, kv)
+    _check_tools(tools)
     if model_sampling:
         sampling = {**model_sampling_defaults(model), **sampling}
     choice = normalize_tool_choice(tool_choice, tools)

@@ -32,6 +32,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise InvalidOptionError(f"stop={self.stop!r}: must be a string or a list of them")
         self.stop = list(self.stop or [])
         self.validate()
 

@@ -144,6 +144,23 @@ def test_python_refuses_unknown_option_by_name(tiny):
         list(session.generate("hi", temprature=0.5))
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"enable_thinking": "no"}, "enable_thinking='no': must be true or false"),
+        ({"tools": "search"}, "must be a list of tool specs"),
+        ({"tools": [{"description": "no name"}]}, "must be a dict naming its function"),
+        ({"stop": 5}, "stop=5: must be a string or a list of them"),
+    ],
+)
+def test_python_refuses_badly_typed_options_by_name(tiny, options, message):
+    """Found by trying them: a string for enable_thinking (truthy "no") and for tools were
+    accepted, a number for stop was a TypeError."""
+    session = tiny.session(cache=False)
+    with pytest.raises(InvalidOptionError, match=message):
+        session.request([{"role": "user", "content": "hi"}], **options)
+
+
 def test_chatqwen38_refuses_unknown_option_by_name(tiny_path):
     with pytest.raises(ValueError, match="kv_top_k"):
         ChatQwen38(model=str(tiny_path), model_kwargs={"kv_top_k": 5})

@@ -78,6 +78,7 @@ def test_same_seed_same_stream_different_seed_differs(tmp_path):
         {"max_tokens": -1},
         {"seed": "x"},
         {"stop": [""]},
+        {"stop": 5},  # was a TypeError
         {"stop_token_ids": "x"},  # was accepted over HTTP, and stopped on nothing
         {"stop_token_ids": [1, -2]},
         {"stop_token_ids": [1.5]},
