@@ -70,6 +70,12 @@ def describe(name_or_path: str, context: int | None = None, ranks: int = 1, **kv
         opts["ranks"] = ranks
         plan = memory_plan(weights.config, context, available=available, **opts, **kv_options)
         lines += ["", format_plan(plan, available), f"  verdict: {plan_verdict(plan, available)}"]
+        window = s["context"]
+        if window and context > window:  # the plan stands, but no request gets that long
+            lines.append(
+                f"  window: {context:,} tokens is over this model's {window:,}-token window by "
+                f"{context - window:,}; a request that long is refused"
+            )
         if not kv_options:
             tier = memory_plan(weights.config, context, available=available, kv_paged="on", **opts)
             lines += ["", *_tier_summary(tier, available)]

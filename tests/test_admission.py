@@ -244,6 +244,10 @@ def test_info_shows_pool_spill_and_verdict(tmp_path):
     )
     assert "kv_spill" in bounded and "total disk" in bounded and "free disk" in bounded
     assert "pool kv_pool_tokens=4,096" in bounded
+    # the fixture's window is far below 262,144 tokens: said, not only "fits" (found using it)
+    window = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    assert f"over this model's {window:,}-token window by {262_144 - window:,}" in text
+    assert "window:" not in describe(str(path), context=window)
 
 
 @pytest.mark.parametrize("context", [3_000, 40_000, 700_000, 3_000_000])
