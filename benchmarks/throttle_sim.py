@@ -44,32 +44,15 @@ class SlidingThrottle(Throttle):
 class UncappedThrottle(Throttle):
     """Reset after a winning window, but no cap on the doubling."""
 
-    def record(self, n: int, gain: float) -> None:
-        self.gains.append(gain)
-        if len(self.gains) < WINDOW:
-            return
-        if sum(self.gains) <= 0:
-            self.resume_at = n + self.pause
-            self.pause *= 2
-            self.pauses += 1
-        else:
-            self.pause = FIRST_PAUSE
-        self.gains.clear()
+    max_pause = None
 
 
 class NoResetThrottle(Throttle):
     """The rule before session 10: the pause doubles for the rest of the stream, whatever
     the windows in between gained."""
 
-    def record(self, n: int, gain: float) -> None:
-        self.gains.append(gain)
-        if len(self.gains) < WINDOW:
-            return
-        if sum(self.gains) <= 0:
-            self.resume_at = n + self.pause
-            self.pause *= 2
-            self.pauses += 1
-        self.gains.clear()
+    max_pause = None
+    reset_after_gain = False
 
 
 def agreement(spec: str, phase: int) -> Callable[[int], float]:

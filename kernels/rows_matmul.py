@@ -32,41 +32,18 @@ ROWS_PER_LAUNCH = 8
 LOADS = 4  # 16-byte weight vectors a lane has in flight (outputs per warp x unroll)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# Template constants from the call: T (dtype), R (rows), NW (outputs per warp), U (vectors a
-# lane loads per output before using them).
-_SOURCE = """
-    using namespace qwen38_dattn;
-    constexpr int WARPS = __THREADS__ / 32;
-    constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
-    const int KV = x_shape[1] / VEC;               // vectors per row (K % VEC == 0)
-    const int N = w_shape[0];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
-    const uint4* wv = reinterpret_cast<const uint4*>(w);
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-
+# What every row-invariant product kernel here shares (rows_qmatmul.py too): fp32 sums per
+# (row, output), and the lanes' walk over 16-byte weight vectors w[n][c] (`wv`, `KV` of them
+# per output, `n0` the warp's first output of `N`) in ascending order, U loads in flight
+# before their `accumulate(wr, c)`, then a warp butterfly per sum into y [R, N].
+ACCUMULATORS = """
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int j = 0; j < NW; ++j) acc[r][j] = 0.0f;
-
-    // lane's vectors lane, lane + 32, ... in ascending order for every (row, output): the
-    // loads of U of them are issued before their products (the order of the sums is fixed)
-    auto accumulate = [&](const uint4 (&wr)[NW], int c) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float xf[VEC];
-            Vec<T>::to_float(xv[(long long)r * KV + c], xf);
-#pragma unroll
-            for (int j = 0; j < NW; ++j) {
-                float wf[VEC];
-                Vec<T>::to_float(wr[j], wf);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[r][j] = fmaf(xf[e], wf[e], acc[r][j]);
-            }
-        }
-    };
+"""
+WALK_AND_REDUCE = """
     auto load = [&](uint4 (&wr)[NW], int c) {
 #pragma unroll
         for (int j = 0; j < NW; ++j)
@@ -96,6 +73,43 @@ _SOURCE = """
         }
 """
 
+# Template constants from the call: T (dtype), R (rows), NW (outputs per warp), U (vectors a
+# lane loads per output before using them).
+_SOURCE = (
+    """
+    using namespace qwen38_dattn;
+    constexpr int WARPS = __THREADS__ / 32;
+    constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
+    const int KV = x_shape[1] / VEC;               // vectors per row (K % VEC == 0)
+    const int N = w_shape[0];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+
+"""
+    + ACCUMULATORS
+    + """
+    // lane's vectors lane, lane + 32, ... in ascending order for every (row, output): the
+    // loads of U of them are issued before their products (the order of the sums is fixed)
+    auto accumulate = [&](const uint4 (&wr)[NW], int c) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float xf[VEC];
+            Vec<T>::to_float(xv[(long long)r * KV + c], xf);
+#pragma unroll
+            for (int j = 0; j < NW; ++j) {
+                float wf[VEC];
+                Vec<T>::to_float(wr[j], wf);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[r][j] = fmaf(xf[e], wf[e], acc[r][j]);
+            }
+        }
+    };
+"""
+    + WALK_AND_REDUCE
+)
+
 
 @functools.cache
 def _kernel():
@@ -116,7 +130,12 @@ def _outputs_per_warp(rows: int) -> int:
 def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in x's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0."""
-    n = w.shape[0]
+    return launch_in_parts(_kernel(), x, [w], w.shape[0], [("T", x.dtype)])
+
+
+def launch_in_parts(kernel, x: mx.array, operands: list, n: int, template: list) -> mx.array:
+    """A row-invariant product kernel over x [R, ...]'s rows, at most ROWS_PER_LAUNCH per
+    launch: inputs [part, *operands], `template` plus R, NW and U, output [rows, n]."""
     outs = []
     for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
         part = x[start : start + ROWS_PER_LAUNCH]
@@ -124,9 +143,9 @@ def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
         nw = _outputs_per_warp(rows)
         per_block = nw * THREADS // 32
         outs.append(
-            _kernel()(
-                inputs=[part, w],
-                template=[("T", x.dtype), ("R", rows), ("NW", nw), ("U", max(LOADS // nw, 1))],
+            kernel(
+                inputs=[part, *operands],
+                template=[*template, ("R", rows), ("NW", nw), ("U", max(LOADS // nw, 1))],
                 grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),
                 output_shapes=[(rows, n)],
@@ -134,6 +153,31 @@ def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
             )[0]
         )
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def probe_rows(fn, x: mx.array, want: mx.array, slack: float, what: str) -> bool:
+    """Whether fn(x) computes each row of x as fn of that row alone, bit for bit, and close
+    to the fp32 product `want` (within 2 ulp of x's dtype, plus `slack`); a failure to run
+    or a disagreement warns, naming `what`."""
+    try:
+        together = fn(x)
+        alone = mx.concatenate([fn(x[i : i + 1]) for i in range(x.shape[0])])
+        mx.eval(together, alone, want)
+    except Exception as e:  # noqa: BLE001 - any failure means: the fallback runs
+        warnings.warn(f"{what} unavailable ({e})", stacklevel=3)
+        return False
+    same = mx.array_equal(together, alone).item()
+    dtype = x.dtype
+    ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-10 if dtype == mx.float16 else 2.0**-7
+    err = mx.abs(together.astype(mx.float32) - want) - (2 * ulp * mx.abs(want) + slack)
+    close = (err <= 0).all().item()
+    if not (same and close):
+        warnings.warn(
+            f"{what} disagrees (rows equal to one-row launches: {same}, close to fp32: {close})",
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def fits(x: mx.array, w: mx.array) -> bool:
@@ -167,23 +211,5 @@ def available(dtype: mx.Dtype) -> bool:
     rows, k, n = 11, 1000 * (16 // dtype.size), 203  # two launches; a partial last block
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
     w = (mx.random.normal((n, k), key=kw) / k**0.5).astype(dtype)
-    try:
-        together = rows_matmul(x, w)
-        alone = mx.concatenate([rows_matmul(x[i : i + 1], w) for i in range(rows)])
-        want = x.astype(mx.float32) @ w.astype(mx.float32).T
-        mx.eval(together, alone, want)
-    except Exception as e:  # noqa: BLE001 - any failure means: use the padded product
-        warnings.warn(f"rows matmul kernel unavailable ({e}); padding instead", stacklevel=2)
-        return False
-    same = mx.array_equal(together, alone).item()
-    ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-10 if dtype == mx.float16 else 2.0**-7
-    err = mx.abs(together.astype(mx.float32) - want) - (2 * ulp * mx.abs(want) + 1e-4)
-    close = (err <= 0).all().item()
-    if not (same and close):
-        warnings.warn(
-            f"rows matmul kernel disagrees (rows equal to one-row launches: {same}, close "
-            f"to fp32: {close}); padding instead",
-            stacklevel=2,
-        )
-        return False
-    return True
+    want = x.astype(mx.float32) @ w.astype(mx.float32).T
+    return probe_rows(lambda part: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel")

@@ -22,12 +22,19 @@ session 10 with no device time left; compiled under NVRTC for sm_90 only):
 from __future__ import annotations
 
 import functools
-import warnings
 
 import mlx.core as mx
 
 from .decode_attention import _HEADER as VECTORS  # Vec<T>: 16 bytes of T -> floats
-from .rows_matmul import DTYPES, LOADS, ROWS_PER_LAUNCH, THREADS, supported
+from .rows_matmul import (
+    ACCUMULATORS,
+    DTYPES,
+    THREADS,
+    WALK_AND_REDUCE,
+    launch_in_parts,
+    probe_rows,
+    supported,
+)
 from .switch import kernel_switch
 
 BITS = (4, 8)
@@ -35,7 +42,8 @@ DEFAULT = "off"  # until benchmarks/probe_rows_qmatmul_gpu.py measures it on a G
 
 # Template constants from the call: T (x's dtype), B (bits), R (rows), NW (outputs per
 # warp), U (packed vectors a lane loads per output before using them).
-_SOURCE = """
+_SOURCE = (
+    """
     using namespace qwen38_dattn;
     constexpr int WARPS = __THREADS__ / 32;
     constexpr int EPV = 128 / B;                   // weights per 16-byte packed vector
@@ -52,12 +60,9 @@ _SOURCE = """
     const uint4* wv = reinterpret_cast<const uint4*>(w);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
 
-    float acc[R][NW];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < NW; ++j) acc[r][j] = 0.0f;
-
+"""
+    + ACCUMULATORS
+    + """
     auto accumulate = [&](const uint4 (&wr)[NW], int c) {
         const int g = c / VPG;
 #pragma unroll
@@ -92,34 +97,9 @@ _SOURCE = """
             }
         }
     };
-    auto load = [&](uint4 (&wr)[NW], int c) {
-#pragma unroll
-        for (int j = 0; j < NW; ++j)
-            wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : make_uint4(0u, 0u, 0u, 0u);
-    };
-    int c = lane;
-    for (; c + 32 * (U - 1) < KV; c += 32 * U) {
-        uint4 wr[U][NW];
-#pragma unroll
-        for (int u = 0; u < U; ++u) load(wr[u], c + 32 * u);
-#pragma unroll
-        for (int u = 0; u < U; ++u) accumulate(wr[u], c + 32 * u);
-    }
-    for (; c < KV; c += 32) {
-        uint4 wr[1][NW];
-        load(wr[0], c);
-        accumulate(wr[0], c);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < NW; ++j) {
-            float v = acc[r][j];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-            if (lane == 0 && n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
-        }
 """
+    + WALK_AND_REDUCE
+)
 
 
 @functools.cache
@@ -133,39 +113,13 @@ def _kernel():
     )
 
 
-def _outputs_per_warp(rows: int) -> int:
-    return 1 if rows == 1 else 2 if rows <= 4 else 4
-
-
 def rows_qmatmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int
 ) -> mx.array:
     """x [R, K] @ dequantize(w, scales, biases).T -> [R, N] in x's dtype (fp32 sums), every
     row computed as a one-row call computes it (`fits` says which operands it takes)."""
-    n = w.shape[0]
-    outs = []
-    for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
-        part = x[start : start + ROWS_PER_LAUNCH]
-        rows = part.shape[0]
-        nw = _outputs_per_warp(rows)
-        per_block = nw * THREADS // 32
-        outs.append(
-            _kernel()(
-                inputs=[part, w, scales, biases],
-                template=[
-                    ("T", x.dtype),
-                    ("B", bits),
-                    ("R", rows),
-                    ("NW", nw),
-                    ("U", max(LOADS // nw, 1)),
-                ],
-                grid=(-(-n // per_block) * THREADS, 1, 1),
-                threadgroup=(THREADS, 1, 1),
-                output_shapes=[(rows, n)],
-                output_dtypes=[x.dtype],
-            )[0]
-        )
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    template = [("T", x.dtype), ("B", bits)]
+    return launch_in_parts(_kernel(), x, [w, scales, biases], w.shape[0], template)
 
 
 def fits(
@@ -209,29 +163,13 @@ def available(dtype: mx.Dtype, bits: int, group_size: int) -> bool:
     rows, k, n = 11, 8 * group_size * 4, 203  # two launches; a partial last block
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
     weights = (mx.random.normal((n, k), key=kw) / k**0.5).astype(dtype)
-    try:
-        w, scales, biases = mx.quantize(weights, group_size=group_size, bits=bits)
-        if not fits(x, w, scales, biases, bits, group_size):
-            return False
-        together = rows_qmatmul(x, w, scales, biases, bits)
-        alone = mx.concatenate(
-            [rows_qmatmul(x[i : i + 1], w, scales, biases, bits) for i in range(rows)]
-        )
-        dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-        want = x.astype(mx.float32) @ dense.astype(mx.float32).T
-        mx.eval(together, alone, want)
-    except Exception as e:  # noqa: BLE001 - any failure means: the MLX product runs
-        warnings.warn(f"quantized rows kernel unavailable ({e})", stacklevel=2)
+    w, scales, biases = mx.quantize(weights, group_size=group_size, bits=bits)
+    if not fits(x, w, scales, biases, bits, group_size):
         return False
-    same = mx.array_equal(together, alone).item()
-    ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-10 if dtype == mx.float16 else 2.0**-7
-    err = mx.abs(together.astype(mx.float32) - want) - (2 * ulp * mx.abs(want) + 1e-3)
-    close = (err <= 0).all().item()
-    if not (same and close):
-        warnings.warn(
-            f"quantized rows kernel disagrees (rows equal to one-row launches: {same}, "
-            f"close to fp32: {close})",
-            stacklevel=2,
-        )
-        return False
-    return True
+    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    want = x.astype(mx.float32) @ dense.astype(mx.float32).T
+
+    def product(part: mx.array) -> mx.array:
+        return rows_qmatmul(part, w, scales, biases, bits)
+
+    return probe_rows(product, x, want, 1e-3, "quantized rows kernel")

@@ -231,6 +231,10 @@ def gate_open(state: SequenceState, through: int) -> bool:
 class Throttle:
     """Pauses drafting while rounds lose against plain steps (module docstring)."""
 
+    # the rule's two choices (benchmarks/throttle_sim.py compares them switched off)
+    max_pause: int | None = MAX_PAUSE  # None: the pause doubles without bound
+    reset_after_gain = True  # a window that gained starts the next pause at FIRST_PAUSE
+
     def __init__(self) -> None:
         self.gains: list[float] = []
         self.resume_at = 0
@@ -249,9 +253,11 @@ class Throttle:
             return
         if sum(self.gains) <= 0:
             self.resume_at = n + self.pause
-            self.pause = min(2 * self.pause, MAX_PAUSE)
+            self.pause = 2 * self.pause
+            if self.max_pause is not None:
+                self.pause = min(self.pause, self.max_pause)
             self.pauses += 1
-        else:  # drafting pays again (a copied span after prose): the next pause starts short
+        elif self.reset_after_gain:  # drafting pays again (a copied span after prose)
             self.pause = FIRST_PAUSE
         self.gains.clear()
 

@@ -54,6 +54,21 @@ def use_drafts(monkeypatch, draft):
     monkeypatch.setattr(drafts.NgramIndex, "match", lambda index, k: (draft(index.tokens, k), 3))
 
 
+def quantized_hybrid(path):
+    """Tiny qwen3_5 with its linears (those of a width of 32s) quantized to 4 bits, as a
+    4-bit checkpoint kept packed."""
+    import mlx.nn as nn
+
+    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", path)))
+    nn.quantize(
+        model.net,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
+    )
+    return model
+
+
 def repetitive(seed, period=5, repeats=5):
     rng = np.random.default_rng(seed)
     return rng.integers(3, 200, size=period).tolist() * repeats
@@ -1033,15 +1048,7 @@ def test_quantized_model_drafts_equal_plain_with_a_gpus_padding(tmp_path, monkey
     """A 4-bit tiny qwen3_5 under a GPU's padding plan: its quantized products run unpadded
     (the probe finds their rows exact here), so plain steps use one-row products, and drafted
     greedy output still equals plain, token for token."""
-    import mlx.nn as nn
-
-    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path)))
-    nn.quantize(
-        model.net,
-        group_size=32,
-        bits=4,
-        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
-    )
+    model = quantized_hybrid(tmp_path)
     monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
     mode, keys, most = rows.quantized_plan(model.net, model.dtype)
     # MLX's CPU quantized product computes each row alone (no rows kernel on the CPU)
@@ -1087,13 +1094,7 @@ def test_quantized_products_go_to_the_quantized_rows_kernel_where_it_passed(
 
     monkeypatch.setattr(rows, "_qkernel_module", lambda: StandIn)
     monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
-    model = qwen38_backend.load(str(make_tiny_weights("qwen3_5", tmp_path)))
-    nn.quantize(
-        model.net,
-        group_size=32,
-        bits=4,
-        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
-    )
+    model = quantized_hybrid(tmp_path)
     assert rows.quantized_plan(model.net, model.dtype)[::2] == ("kernel", rows.STEP_MAX_ROWS)
     assert speculative.verify_rows(model) == 8 and not speculative.reads_weights_per_row(model)
     prompt = [5 + 4 * i for i in range(rows.STEP_MAX_ROWS + 4)]  # a prefill, not a step
