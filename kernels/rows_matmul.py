@@ -32,11 +32,16 @@ ROWS_PER_LAUNCH = 8
 LOADS = 4  # 16-byte weight vectors a lane has in flight (outputs per warp x unroll)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# What every row-invariant product kernel here shares (rows_qmatmul.py too): fp32 sums per
-# (row, output), and the lanes' walk over 16-byte weight vectors w[n][c] (`wv`, `KV` of them
-# per output, `n0` the warp's first output of `N`) in ascending order, U loads in flight
-# before their `accumulate(wr, c)`, then a warp butterfly per sum into y [R, N].
+# What every row-invariant product kernel here shares (rows_qmatmul.py too): the warp's
+# outputs (NW from n0, of N = w's rows) and fp32 sums per (row, output), and the lanes' walk
+# over 16-byte weight vectors w[n][c] (`wv`, `KV` of them per output) in ascending order, U
+# loads in flight before their `accumulate(wr, c)`, then a warp butterfly per sum into y.
 ACCUMULATORS = """
+    const int N = w_shape[0];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -81,11 +86,6 @@ _SOURCE = (
     constexpr int WARPS = __THREADS__ / 32;
     constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
     const int KV = x_shape[1] / VEC;               // vectors per row (K % VEC == 0)
-    const int N = w_shape[0];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
-    const uint4* wv = reinterpret_cast<const uint4*>(w);
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
 
 """
     + ACCUMULATORS

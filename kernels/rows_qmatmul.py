@@ -54,11 +54,6 @@ _SOURCE = (
     const int KV = w_shape[1] / 4;                 // packed vectors per row of w
     const int G = scales_shape[1];                 // groups per row
     const int VPG = KV / G;                        // packed vectors per group
-    const int N = w_shape[0];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
-    const uint4* wv = reinterpret_cast<const uint4*>(w);
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
 
 """
     + ACCUMULATORS
