@@ -43,6 +43,8 @@ def attend_pages(
     a pool [1, Hkv, slots * page_tokens, D] (`shared`: every row of pages is the same list).
     The CUDA kernel reads the pages in place; elsewhere the rows are gathered first (the
     same bits: the kernel's probe checks it)."""
+    if pages.ndim != 2 or pages.shape[0] != pool_k.shape[1]:
+        raise ValueError(f"pages must be [Hkv={pool_k.shape[1]}, n], got {pages.shape}")
     kernel = _kernel_module()
     if READ_PAGES_IN_PLACE and kernel is not None and kernel.usable(q, pool_k, pool_v, page_tokens):
         return kernel.decode_attention(

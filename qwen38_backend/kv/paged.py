@@ -561,7 +561,7 @@ class PagedKV:
             t1 = time.perf_counter()
         if self.table.n_spilled:  # (a shared selection's rows are one row broadcast)
             pinned, host_slots = self._resident_selection(pages[:1] if self.shared else pages)
-            slots = mx.array(host_slots)
+            slots = mx.broadcast_to(mx.array(host_slots), pages.shape)
         else:
             pinned = []
             slots = pages if self.table.identity else self.table.array()[pages]
