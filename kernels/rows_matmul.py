@@ -32,7 +32,7 @@ ROWS_PER_LAUNCH = 8
 LOADS = 4  # 16-byte weight vectors a lane has in flight (outputs per warp x unroll)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# What every row-invariant product kernel here shares (rows_qmatmul.py too): the warp's
+# The kernel's set-up, sums and reduction, kept apart from its per-vector step: the warp's
 # outputs (NW from n0, of N = w's rows) and fp32 sums per (row, output), and the lanes' walk
 # over 16-byte weight vectors w[n][c] (`wv`, `KV` of them per output) in ascending order, U
 # loads in flight before their `accumulate(wr, c)`, then a warp butterfly per sum into y.

@@ -13,11 +13,12 @@ depend on the rows around it, a step does something that cannot:
   4-bit rows are equal for 1..7 rows, which read the weights once per row, and 8 rows switch
   to a kernel that reads them once and is faster than one row). A quantized product is
   therefore not padded (a padded 4-bit step decoded 1.8x slower on the H200: 26.2 vs 47.4
-  tok/s, benchmarks/results/h200/bench_gpu_27b_4bit_*.json): it runs through a
-  row-invariant quantized kernel (kernels/rows_qmatmul.py, the weights read once) where that
-  passed its probe, else MLX's own product where `prepare` measured its rows equal to
-  one-row products for every row count up to some R >= 2, and a verify then has at most R
-  rows (`quantized_plan`).
+  tok/s, benchmarks/results/h200/bench_gpu_27b_4bit_*.json): MLX's own product runs
+  unpadded where `prepare` measured its rows equal to one-row products for every row count
+  up to some R >= 2, and a verify then has at most R rows (`quantized_plan`). A
+  row-invariant quantized kernel was written and measured (session 11,
+  benchmarks/results/h200/probe_rows_qmatmul.json): slower than MLX's qmv for 1..3 rows on
+  the H200 and off from the fp32 product, so it was removed.
   On the CPU nothing is padded,
   and a step's product runs whole only where this process measured its rows equal to the
   one-row products: MLX's CPU matmul is cblas_sgemm, and OpenBLAS (blas.py loads it when
@@ -59,9 +60,8 @@ _UNPADDED: ContextVar[bool] = ContextVar("qwen38_unpadded", default=False)
 # one-row products each: the CPU, module docstring).
 # Split: None (nothing runs row by row), or the linears (`_linear_key`) whose step products
 # run row by row; "all" where the model's linears were not probed.
-# Last: how the quantized linears' step products run on a GPU (quantized_plan): ("kernel",
-# keys) through kernels/rows_qmatmul.py, ("unpadded", keys) MLX's own product unpadded, or
-# ("", empty) padded like any other product.
+# Last: how the quantized linears' step products run on a GPU (quantized_plan):
+# ("unpadded", keys) MLX's own product unpadded, or ("", empty) padded like any other.
 Split = frozenset | str | None
 Quantized = tuple[str, frozenset]
 _NO_QUANTIZED: Quantized = ("", frozenset())
@@ -89,8 +89,6 @@ def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> Non
 def quantized_plan(net: nn.Module, dtype: mx.Dtype) -> tuple[str, frozenset, int]:
     """Where products are padded (a GPU): how `net`'s quantized linears run a step's
     products, as (mode, their keys, the most rows a step may then have):
-    - "kernel": kernels/rows_qmatmul.py (row-invariant, the weights read once) where it
-      passed its probe for every one of them; rows up to STEP_MAX_ROWS;
     - "unpadded": MLX's own product unpadded, where every one gives each row of r rows the
       bits of that row alone for r = 2..R, R >= 2 (probed; the weights read once per row);
       R is the row limit;
@@ -108,27 +106,12 @@ def _quantized_plan(net: nn.Module, dtype: mx.Dtype) -> tuple[str, frozenset, in
     if not linears:
         return "", frozenset(), 0
     keys = frozenset(k for k, _, _ in linears)
-    if all(_quantized_kernel_takes(fn, dtype) for _, fn, _ in linears):
-        return "kernel", keys, STEP_MAX_ROWS
     most = 1
     for r in range(2, _device_pad() + 1):
         if not all(rows_agree(k, fn, w, dtype, r) for k, fn, w in linears):
             break
         most = r
     return ("unpadded", keys, most) if most >= 2 else ("", frozenset(), 0)
-
-
-def _quantized_kernel_takes(linear: Callable, dtype: mx.Dtype) -> bool:
-    """Whether kernels/rows_qmatmul.py runs this quantized linear's products here (its
-    format, and the kernel's probe for this dtype, bits and group size)."""
-    kernels = _qkernel_module()
-    module = getattr(linear, "__self__", linear)
-    if kernels is None or getattr(module, "mode", "affine") != "affine":
-        return False
-    bits, group = module.bits, module.group_size
-    x = mx.zeros((1, module.weight.shape[-1] * 32 // bits), dtype)
-    operands = (module.weight, module.scales, module["biases"])
-    return kernels.fits(x, *operands, bits, group) and kernels.available(dtype, bits, group)
 
 
 def _split_plan(dtype: mx.Dtype, net: nn.Module | None, rows: int) -> Split:
@@ -211,8 +194,7 @@ def kernel_dtype() -> mx.Dtype | None:
 
 
 def quantized_mode() -> str:
-    """How this forward's quantized step products run (quantized_plan: "kernel",
-    "unpadded" or "")."""
+    """How this forward's quantized step products run (quantized_plan: "unpadded" or "")."""
     return _PLAN.get()[3][0]
 
 
@@ -287,10 +269,7 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
     pad = 1 if _UNPADDED.get() else pad
     mode, keys = _PLAN.get()[3]
     if pad > 1 and mode and x.shape[0] <= STEP_MAX_ROWS and _linear_key(linear) in keys:
-        if mode == "unpadded":
-            pad = 1  # MLX's product computes each of these few rows alone (quantized_plan)
-        elif x.dtype == getattr(linear, "__self__", linear).scales.dtype:  # as probed
-            return _quantized_product(linear, x)  # row-invariant, the weights read once
+        pad = 1  # MLX's product computes each of these few rows alone (quantized_plan)
     split = _PLAN.get()[2]
     if split is None or (split != "all" and _linear_key(linear) not in split):
         return _padded(linear, x, pad)
@@ -321,18 +300,6 @@ def _padded(linear: nn.Module, x: mx.array, pad: int) -> mx.array:
     return linear(mx.pad(x, [(0, pad - rows)] + [(0, 0)] * (x.ndim - 1)))[:rows]
 
 
-def _quantized_product(linear, x: mx.array) -> mx.array:
-    """A quantized linear map of x [T, ..., in] through kernels/rows_qmatmul.py."""
-    module = getattr(linear, "__self__", linear)
-    flat = x.reshape(-1, x.shape[-1])
-    y = _qkernel_module().rows_qmatmul(
-        flat, module.weight, module.scales, module["biases"], module.bits
-    )
-    y = y.reshape(*x.shape[:-1], y.shape[-1])
-    bias = module.get("bias") if module is linear else None
-    return y if bias is None else y + bias
-
-
 def _dense_weight(linear) -> tuple[mx.array | None, mx.array | None]:
     """(weight [out, in], bias) of an unquantized linear map (nn.Linear, or an embedding's
     as_linear), else (None, None)."""
@@ -342,16 +309,6 @@ def _dense_weight(linear) -> tuple[mx.array | None, mx.array | None]:
     if type(owner) is nn.Embedding and linear.__name__ == "as_linear":
         return owner.weight, None
     return None, None
-
-
-@functools.cache
-def _qkernel_module():
-    """kernels/rows_qmatmul.py, or None in a source tree that was not installed."""
-    try:
-        from .kernels import rows_qmatmul
-    except ImportError:
-        return None
-    return rows_qmatmul
 
 
 @functools.cache

@@ -1061,57 +1061,6 @@ def test_quantized_model_drafts_equal_plain_with_a_gpus_padding(tmp_path, monkey
     assert spec == plain and 0 < stats.accepted < stats.drafted
 
 
-def test_quantized_products_go_to_the_quantized_rows_kernel_where_it_passed(
-    tmp_path, monkeypatch, oracle
-):
-    """Where the quantized rows kernel passed its probe (CUDA; here a stand-in computing each
-    row alone with MLX's product), a GPU plan sends every quantized step product to it: no
-    padding, verifies up to the padded row count, the same tokens drafted or not; where it
-    did not pass, MLX's own product runs unpadded (the probe above)."""
-    import mlx.nn as nn
-    from qwen38_backend.kernels import rows_qmatmul as real
-
-    calls = []
-
-    class StandIn:
-        fits = staticmethod(real.fits)
-        passed = True
-
-        @staticmethod
-        def available(dtype, bits, group):
-            return StandIn.passed
-
-        @staticmethod
-        def rows_qmatmul(x, w, scales, biases, bits):
-            calls.append(x.shape[0])
-            group = x.shape[1] // scales.shape[1]
-            return mx.concatenate(
-                [
-                    mx.quantized_matmul(x[i : i + 1], w, scales, biases, True, group, bits)
-                    for i in range(x.shape[0])
-                ]
-            )
-
-    monkeypatch.setattr(rows, "_qkernel_module", lambda: StandIn)
-    monkeypatch.setenv("QWEN38_PAD_ROWS", "8")
-    model = quantized_hybrid(tmp_path)
-    assert rows.quantized_plan(model.net, model.dtype)[::2] == ("kernel", rows.STEP_MAX_ROWS)
-    assert speculative.verify_rows(model) == 8 and not speculative.reads_weights_per_row(model)
-    prompt = [5 + 4 * i for i in range(rows.STEP_MAX_ROWS + 4)]  # a prefill, not a step
-    plain, _ = run(model, prompt, 16, stop_token_ids=[], draft="off")
-    assert calls and set(calls) == {1}  # plain steps: one row, not padded
-    oracle(prompt, plain, 0)
-    spec, stats = run(model, prompt, 16, stop_token_ids=[], **NGRAM)
-    assert spec == plain and 0 < stats.accepted < stats.drafted
-    assert max(calls) > 1  # verifies went through it whole
-    StandIn.passed = False
-    other = nn.Module()
-    other.q = nn.QuantizedLinear(64, 16, group_size=32, bits=4)
-    assert rows.quantized_plan(other, mx.float32)[0] == "unpadded"
-    monkeypatch.undo()
-    rows.prepare(mx.float32)
-
-
 def test_auto_does_not_draft_where_verify_rows_read_the_weights_each(hybrid, monkeypatch):
     """Where a verify reads the weights once per row (a GPU's unpadded quantized products),
     no draft length pays (verify_cost): auto decodes plainly, an explicit choice still drafts
