@@ -125,6 +125,9 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
                     "speedup_vs_one_row_products": speed / one_row_rate,
                     "acceptance": stats.accepted / max(stats.drafted, 1),
                     "forwards": stats.forwards,
+                    # a forward's wall time (rounds and any plain steps between them): at
+                    # p 1.0 every forward is a round of k + 1 rows
+                    "ms_per_forward": 1e3 * (len(tokens) - 1) / speed / max(stats.forwards, 1),
                     "identical_to_plain": tokens == plain,
                 }
             best = max(by_k, key=lambda k: by_k[k]["tok_s"])
@@ -209,7 +212,7 @@ def main() -> None:
     for p in (float(x) for x in args.p.split(",")):
         rates = {}
         for k in range(1, args.max_k + 1):
-            tokens = (1 - p ** (k + 1)) / (1 - p)
+            tokens = k + 1 if p == 1 else (1 - p ** (k + 1)) / (1 - p)
             rates[str(k)] = tokens / costs[k] * plain  # as a ratio to plain decoding
         best = max(rates, key=rates.get)
         result["oracle"][str(p)] = {

@@ -7,8 +7,9 @@ as the H200 oracle benchmark draws them: bench_verify_gpu.py), k drafts per roun
 T rows costing speculative.verify_cost(T, gpu=True) plain steps and a paused step one.
 Decoded tokens per step spent, relative to plain decoding, for the throttle as it is
 (speculative.Throttle: windows of WINDOW rounds apart) and for a sliding window (the
-previous rule: decide after every round over the last WINDOW), best k per p, mean over
-`--seeds` streams. No model runs: this measures the rule, not the engine.
+previous rule: decide after every round over the last WINDOW), best fixed k per p, and the
+throttle with k chosen each round by speculative.DraftLength, mean over `--seeds` streams.
+No model runs: this measures the rule, not the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qwen38_backend import speculative  # noqa: E402
-from qwen38_backend.speculative import FIRST_PAUSE, WINDOW, Throttle, verify_cost  # noqa: E402
+from qwen38_backend.speculative import (  # noqa: E402
+    FIRST_PAUSE,
+    WINDOW,
+    DraftLength,
+    Throttle,
+    verify_cost,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402
@@ -63,18 +70,27 @@ def agreement(spec: str, phase: int) -> Callable[[int], float]:
 
 
 def speedup(
-    rule: type[Throttle], p: Callable[[int], float], k: int, tokens: int, seed: int
+    rule: type[Throttle],
+    p: Callable[[int], float],
+    k: int,
+    tokens: int,
+    seed: int,
+    adaptive: bool = False,
 ) -> float:
+    """Tokens per step spent; `adaptive`: each round drafts DraftLength's k (at most k)."""
     rng, throttle, n, spent = random.Random(seed), rule(), 0, 0.0
-    cost = verify_cost(k + 1, gpu=True)
+    length = DraftLength(k, lambda j: verify_cost(j + 1, gpu=True))
     while n < tokens:
         if not throttle.allows(n):
             n, spent = n + 1, spent + 1.0
             continue
+        drafted = length.next() if adaptive else k
+        cost = verify_cost(drafted + 1, gpu=True)
         accepted = 0
-        while accepted < k and rng.random() < p(n + accepted):
+        while accepted < drafted and rng.random() < p(n + accepted):
             accepted += 1
         throttle.record(n, accepted + 1 - cost)
+        length.record(drafted, accepted)
         n, spent = n + accepted + 1, spent + cost
     return tokens / spent
 
@@ -117,6 +133,13 @@ def main() -> None:
             }
             best = max(by_k, key=by_k.get)
             row[name] = {"best_k": best, "speedup": by_k[best], "by_k": by_k}
+        row["windows_apart_draft_length"] = {
+            "most_k": args.max_k,
+            "speedup": statistics.mean(
+                speedup(Throttle, p, args.max_k, args.tokens, s, adaptive=True)
+                for s in range(args.seeds)
+            ),
+        }
         out["by_p"][spec] = row
     out["module"] = speculative.__file__
     write_json(out, args.out)

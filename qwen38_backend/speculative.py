@@ -32,11 +32,14 @@ re-feed after a rejection where one is needed, and 0.1 step per MTP draft token)
 rounds (one window; windows do not overlap) together gained nothing, drafting pauses for 16
 tokens, then 32, then 64 (MAX_PAUSE) each time, so a stream where drafts keep failing decodes
 mostly plainly at a bounded loss, and one that turns (prose, then a copied span) is drafted
-again within 64 tokens; a window that gained resets the pause to 16 (benchmarks/throttle_sim.py:
-H200 round costs, 512 tokens, p alternating 0.2 / 0.9 every 64 tokens 1.00x -> 1.06x, p 0.65
-1.09x -> 1.17x, always losing at p 0.2 0.986x -> 0.975x). n-gram drafts are throttled apart
-by match length: in prose one-token matches keep failing while a copied span (3-token
-matches) keeps paying off.
+again within 64 tokens; a window that gained resets the pause to 16. n-gram drafts are
+throttled apart by match length: in prose one-token matches keep failing while a copied span
+(3-token matches) keeps paying off.
+Draft length: each round drafts the k (up to draft_tokens) with the most tokens per step
+spent for the stream's recent agreement rate (DraftLength). benchmarks/throttle_sim.py, H200
+round costs measured end to end (verify_cost), 512 tokens: p 0.65 1.46x, p 0.8 2.07x, p
+alternating 0.2 / 0.9 every 64 tokens 1.13x, always losing at p 0.2 0.98x, each within 1%
+of the best fixed k for that p (benchmarks/results/cpu/throttle_sim_512_draft_length.json).
 Steps without drafts run pipelined as Model.decode's (the next step queued before a token is
 read back) for as long as no draft is coming: through a pause, after the gate closed, and in
 n-gram mode until a lookup on the tokens read so far finds a draft (one token late: the step
@@ -84,10 +87,10 @@ def verify_cost(rows: int, gpu: bool | None = None, weights_per_row: bool = Fals
 
     On a GPU a round costs more than its verify's device time: plain steps are pipelined
     (the next step's graph is built while the device runs this one), a round waits for its
-    tokens before it can build the next. Measured on the H200 (64 layers of 27B dims, 4K,
-    benchmarks/results/h200/verify_rows_kernel.json) against a pipelined plain step (16.9
-    ms): a synchronous verify of 2 / 3 / 4 / 5 rows 1.41 / 1.67 / 1.59 / 1.84 steps, and
-    rounds of 5 rows end to end (p 0.9, nearly every forward a round) 1.97 steps.
+    tokens before it can build the next. Measured on the H200 end to end (64 layers of 27B
+    dims, 4K, rounds whose drafts all agree so every forward is a round,
+    benchmarks/results/h200/verify_round_cost.json) against a pipelined plain step (17.3
+    ms): rounds of 2 / 3 / 4 / 5 rows 1.39 / 1.39 / 1.55 / 1.57 steps.
     `weights_per_row`: a GPU verify whose quantized products read the weights once per row
     (rows.quantized_plan; 4-bit 27B, verify_4bit.json, against an 18.3 ms pipelined step:
     1.86 / 2.75 / 3.53 / 4.31 steps)."""
@@ -97,7 +100,7 @@ def verify_cost(rows: int, gpu: bool | None = None, weights_per_row: bool = Fals
         gpu = mx.default_device().type == mx.DeviceType.gpu
     if gpu and weights_per_row:
         return 1.04 + 0.82 * (rows - 1)
-    return 1.4 + 0.15 * (rows - 1) if gpu else 1.22 + 0.14 * (rows - 1)
+    return 1.3 + 0.07 * (rows - 1) if gpu else 1.22 + 0.14 * (rows - 1)
 
 
 def reads_weights_per_row(model: Model) -> bool:
@@ -262,6 +265,40 @@ class Throttle:
         self.gains.clear()
 
 
+class DraftLength:
+    """The next round's draft length: the k <= `most` with the most tokens per step spent,
+    (1 - a^(k+1)) / (1 - a) tokens for verify_cost(k + 1) steps, for this stream's
+    agreement rate a (the share of tested draft positions that agreed, recent rounds weighing
+    most). It replaces a fixed rule (one token after a round whose first draft failed) that
+    halved k where acceptance is independent of the last round: on the H200 a 5-row round
+    costs little more than a 2-row one (verify_cost)."""
+
+    decay = 0.8  # a round's weight after the next: ~5 rounds of memory
+    prior = (1.6, 2.0)  # (agreed, tested): a = 0.8 before the first round, so k starts high
+
+    def __init__(self, most: int, cost: Callable[[int], float]) -> None:
+        self.most = most
+        self.agreed, self.tested = self.prior
+        self.cost = cost  # draft tokens -> the round's cost in plain steps
+
+    def record(self, drafted: int, accepted: int) -> None:
+        tested = accepted + (accepted < drafted)  # the first disagreeing position counts
+        self.agreed = self.decay * self.agreed + accepted
+        self.tested = self.decay * self.tested + tested
+
+    @property
+    def agreement(self) -> float:
+        return self.agreed / self.tested
+
+    def next(self) -> int:
+        a = min(self.agreement, 0.999)
+
+        def rate(k: int) -> float:
+            return (1 - a ** (k + 1)) / (1 - a) / self.cost(k)
+
+        return max(range(1, self.most + 1), key=rate)
+
+
 class KeyChain:
     """The Sampler's keys after j splits, j = 0, 1, ...: what plain decoding stores as the
     sequence's RNG key after each token (None under greedy)."""
@@ -311,7 +348,10 @@ def decode(
     # `pending`: tokens decided but not yet yielded (a list, or a plain run yielding them as
     # they are read back); once all are out, all but the last are in `state`
     pending = [int(sampler(logits, history).item())]
-    limit = options.tokens  # draft length; 1 after a round whose first draft token failed
+    mtp_cost = MTP_STEP_COST if track is not None else 0.0
+    length = DraftLength(
+        options.tokens, lambda k: verify_cost(k + 1, weights_per_row=per_row) + mtp_cost * k
+    )
     while True:
         for token in pending:
             n += 1
@@ -326,7 +366,7 @@ def decode(
                 stats.throttle_pauses = sum(t.pauses for t in throttles.values())
                 return
         last = token  # pending's last (pending may be a plain run's generator)
-        k = min(limit, params.max_tokens - n - 1)  # never decide more than max_tokens allows
+        k = min(length.next(), params.max_tokens - n - 1)  # never past max_tokens
         draft: list[int] | mx.array = []  # the MTP head's stay on the device
         keep = kind = 0
         if k > 0 and gate:
@@ -363,7 +403,7 @@ def decode(
         if len(pending) <= len(draft) and not state.can_truncate and not replays:
             gain -= verify_cost(len(pending), weights_per_row=per_row)  # the re-feed
         throttles[kind].record(n, gain)
-        limit = options.tokens if len(pending) > 1 else 1
+        length.record(len(draft), len(pending) - 1)
 
 
 def _catch_up(index: drafts.NgramIndex, start: int, history: list[int]) -> None:

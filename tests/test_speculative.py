@@ -22,7 +22,13 @@ from qwen38_backend.generation import GenerationStats
 from qwen38_backend.prefix_store import PrefixStore
 from qwen38_backend.request import split_options
 from qwen38_backend.sampling import SamplingParams, filter_logprobs
-from qwen38_backend.speculative import DraftOptions, Throttle, parse_options, resolve
+from qwen38_backend.speculative import (
+    DraftLength,
+    DraftOptions,
+    Throttle,
+    parse_options,
+    resolve,
+)
 from qwen38_backend.testing import make_tiny_weights
 
 NGRAM = {"draft": "ngram"}
@@ -583,15 +589,57 @@ def test_throttle_pause_doubles_up_to_a_cap_while_drafts_keep_losing():
     assert pauses[-1] == cap and t.pauses == 8
 
 
-def test_gpu_round_costs_pause_drafts_that_win_only_on_the_cpu():
-    """Rounds of 3 rows keeping 1.56 tokens each (k 2 at acceptance 0.4) win against plain
-    steps on the CPU and lose on the H200, where a round waits for its tokens while plain
-    steps pipeline (measured: speculative.verify_cost): the throttle pauses them there."""
+def test_draft_length_follows_the_streams_agreement():
+    """k starts at the most allowed, drops to 1 while first drafts keep failing, and comes
+    back when they agree again."""
+    length = DraftLength(4, lambda k: speculative.verify_cost(k + 1, gpu=True))
+    assert length.next() == 4
+    for _ in range(10):
+        length.record(4, 0)
+    assert length.next() == 1
+    for _ in range(10):
+        length.record(1, 1)
+    assert length.next() == 4
+
+
+@pytest.mark.parametrize(
+    ("device", "p"), [("gpu", 0.65), ("gpu", 0.8), ("cpu", 0.2), ("cpu", 0.65)]
+)
+def test_draft_length_spends_fewer_steps_than_the_fixed_rule(device, p):
+    """On simulated streams where each draft token agrees with probability p, drafting k by
+    DraftLength decides more tokens per step spent than the rule it replaced (k, but one
+    token after a round whose first draft failed), at each device's measured round costs."""
+    import random
+
+    def cost(k):
+        return speculative.verify_cost(k + 1, gpu=device == "gpu")
+
+    def tokens_per_step(choose, record) -> float:
+        rng, tokens, spent, last = random.Random(7), 0, 0.0, None
+        for _ in range(4000):
+            k = choose(last)
+            accepted = 0
+            while accepted < k and rng.random() < p:
+                accepted += 1
+            record(k, accepted)
+            tokens, spent, last = tokens + accepted + 1, spent + cost(k), accepted
+        return tokens / spent
+
+    fixed = tokens_per_step(lambda last: 1 if last == 0 else 4, lambda k, a: None)
+    length = DraftLength(4, cost)
+    adaptive = tokens_per_step(lambda last: length.next(), length.record)
+    assert adaptive >= fixed * (1.03 if (device, p) == ("gpu", 0.65) else 0.99)
+
+
+def test_round_costs_are_the_devices_own():
+    """Rounds of 5 rows keeping 1.7 tokens each lose against plain steps on this CPU (a
+    5-row verify ~1.8 steps) and win on the H200, where a 5-row round costs ~1.6 pipelined
+    steps (measured end to end: speculative.verify_cost): the throttle pauses only the CPU."""
     cpu, gpu = Throttle(), Throttle()
     for i in range(speculative.WINDOW):
-        cpu.record(i, 1.56 - speculative.verify_cost(3, gpu=False))
-        gpu.record(i, 1.56 - speculative.verify_cost(3, gpu=True))
-    assert cpu.pauses == 0 and gpu.pauses == 1
+        cpu.record(i, 1.7 - speculative.verify_cost(5, gpu=False))
+        gpu.record(i, 1.7 - speculative.verify_cost(5, gpu=True))
+    assert cpu.pauses == 1 and gpu.pauses == 0
     assert speculative.verify_cost(1, gpu=True) == 1.0
     assert speculative.verify_cost(3) == speculative.verify_cost(3, gpu=False)  # this CPU
     # a quantized GPU verify reads its weights once per row: even k 1 at acceptance 0.7
