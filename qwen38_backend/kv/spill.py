@@ -36,25 +36,6 @@ import numpy as np
 from ..errors import SpillDiskFullError, SpillError
 
 EXTENT_PAGES = 256
-# Checksums of a fetch's pages run on this many threads (zlib releases the GIL): one thread
-# checking every page took ~6 ms of a 20 ms spilled decode step on the H200's host
-# (benchmarks/results/h200/profile_spill_16l_131k.json).
-CHECKSUM_THREADS = min(4, os.cpu_count() or 1)
-_checksum_pool: ThreadPoolExecutor | None = None
-_checksum_lock = threading.Lock()
-
-
-def checksums(buffers: list) -> list[int]:
-    """zlib.crc32 of each buffer, several at once on a shared thread pool."""
-    global _checksum_pool
-    if len(buffers) < 2 or CHECKSUM_THREADS < 2:
-        return [zlib.crc32(b) for b in buffers]
-    with _checksum_lock:
-        if _checksum_pool is None:
-            _checksum_pool = ThreadPoolExecutor(CHECKSUM_THREADS, thread_name_prefix="qwen38-crc")
-    return list(_checksum_pool.map(zlib.crc32, buffers))
-
-
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
@@ -426,22 +407,19 @@ class SpillRegion:
         for p in order:
             if p not in crcs:
                 raise SpillError(f"KV page {p} is not in the spill file")  # internal
-        raws: dict[int, memoryview] = {}
         for run in runs:
             # a memoryview: pages are sliced out of the run's bytes without copies
             data = memoryview(self.io.read(len(run) * self.page_bytes, self._offset(run[0])))
             for i, p in enumerate(run):
-                raws[p] = data[i * self.page_bytes : (i + 1) * self.page_bytes]
-        for p, crc in zip(raws, checksums(list(raws.values())), strict=True):
-            if crc != crcs[p]:
-                self.io.fail(
-                    OSError(errno.EIO, f"page {p} fails its checksum"), "read corrupt data"
-                )
-                self.io.check()
-            raw = raws[p]
-            k = np.frombuffer(raw[:k_bytes], dtype=dtype).reshape(k_shape)
-            v = np.frombuffer(raw[k_bytes:], dtype=dtype).reshape(v_shape)
-            out[p] = (k, v)
+                raw = data[i * self.page_bytes : (i + 1) * self.page_bytes]
+                if zlib.crc32(raw) != crcs[p]:
+                    self.io.fail(
+                        OSError(errno.EIO, f"page {p} fails its checksum"), "read corrupt data"
+                    )
+                    self.io.check()
+                k = np.frombuffer(raw[:k_bytes], dtype=dtype).reshape(k_shape)
+                v = np.frombuffer(raw[k_bytes:], dtype=dtype).reshape(v_shape)
+                out[p] = (k, v)
         return out
 
     def read_async(self, pages: list[int]) -> Future:
