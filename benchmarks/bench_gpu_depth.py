@@ -97,6 +97,13 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="prefill chunk (default: the engine's); with a capped pool each chunk reads the "
+        "spilled past back, so a wider one reads less",
+    )
+    ap.add_argument(
         "--layers-ahead",
         type=int,
         default=None,
@@ -124,6 +131,8 @@ def main() -> None:
         one_token.READ_PAGES_IN_PLACE = False
 
     model, config, weights_bytes = random_model(args.dims, args.layers, args.dtype)
+    if args.chunk:
+        model.prefill_chunk = args.chunk
     vocab = config["text_config"]["vocab_size"]
     result = {
         "device": str(mx.default_device()),
