@@ -15,7 +15,7 @@ from . import drafts, speculative
 from .admission import default_prefill_chunk
 from .errors import Cancelled, InvalidOptionError
 from .generation import GenerationStats, TokenStream, stop_reason
-from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory
+from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory, prefilling
 from .sampling import Sampler, SamplingParams
 from .session import Session
 from .speculative import DraftOptions
@@ -130,22 +130,23 @@ class Model:
             raise InvalidOptionError("cannot prefill an empty prompt")
         chunk = chunk or self.prefill_chunk
         logits = None
-        for start in range(0, len(ids), chunk):
-            check_cancel(cancel)
-            part = ids[start : start + chunk]
-            if observe is None:
-                logits = self.forward(part, state, last_only=True)
-            else:
-                at = state.offset
-                feats = self.forward_features(part, state)
-                logits = self.net.logits_from_features(feats[-1:])
-                mx.eval(feats)
-                observe(feats, part, at)
-            mx.eval(logits, *state_arrays(state))
-            if start == 0 and len(ids) + then > len(part):
-                # The first chunk sized the stores; room for the rest of the prompt and the
-                # decode now, in one allocation, instead of growing (x1.5, copying) as they come.
-                state.reserve(len(ids) + then - len(part))
+        with prefilling():  # dense attention however few rows a chunk has (kv/paged.py)
+            for start in range(0, len(ids), chunk):
+                check_cancel(cancel)
+                part = ids[start : start + chunk]
+                if observe is None:
+                    logits = self.forward(part, state, last_only=True)
+                else:
+                    at = state.offset
+                    feats = self.forward_features(part, state)
+                    logits = self.net.logits_from_features(feats[-1:])
+                    mx.eval(feats)
+                    observe(feats, part, at)
+                mx.eval(logits, *state_arrays(state))
+                if start == 0 and len(ids) + then > len(part):
+                    # The first chunk sized the stores; room for the rest of the prompt and
+                    # the decode now, in one allocation, instead of growing (x1.5, copying).
+                    state.reserve(len(ids) + then - len(part))
         return logits[-1]
 
     def logits(self, token_ids: Iterable[int]) -> np.ndarray:

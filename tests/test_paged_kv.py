@@ -334,6 +334,28 @@ def test_session_rewind_reuses_paged_state(tmp_path):
     assert fresh.state.tokens == cached_stream
 
 
+def test_a_prompts_last_token_attends_densely_however_it_is_fed(tmp_path):
+    """Quest selects for decode steps only: a prompt's last token has the logits of a dense
+    prefill when it is fed alone (after a cached prefix, or as a chunk of its own), so the
+    same prompt answers the same cached or not."""
+    model = qwen38_backend.load(str(dense_fixture("qwen3", tmp_path)))
+    opts = {"kv_paged": "on", "kv_topk": 16, "kv_page_tokens": 8, "kv_sinks": 8, "kv_recent": 8}
+    ids = prompt(90, model.config.vocab_size)
+
+    def last_logits(chunk: int) -> np.ndarray:
+        state = model.new_state(**opts)
+        return np.array(model.prefill(ids, state, chunk=chunk).astype(mx.float32))
+
+    whole = last_logits(len(ids))
+    np.testing.assert_allclose(last_logits(len(ids) - 1), whole, atol=1e-4)
+    session = model.session(**opts, max_tokens=8)
+    list(session.generate(ids))
+    fresh_tokens = session.state.tokens
+    list(session.generate(ids))  # the live state is cut back to all but the last token
+    assert session.last_stats.cached_tokens == len(ids) - 1
+    assert session.state.tokens == fresh_tokens
+
+
 # ----- memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [512, 10**6])
 def test_pool_bytes_and_flat_peak_memory(budget):

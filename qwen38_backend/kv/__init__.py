@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .contiguous import ContiguousKV
-from .paged import PagedKV
+from .paged import PagedKV, prefilling
 from .policy import KV_DEFAULTS, KV_OPTION_KEYS, KVChoice, auto_pool_tokens, choose_kv
 from .pool import PagePool
 from .spill import SpillFile
@@ -37,6 +37,7 @@ __all__ = [
     "KVChoice",
     "KVFactory",
     "PagedKV",
+    "prefilling",
     "PagePool",
     "SpillFile",
     "choose_kv",

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import mlx.core as mx
 import numpy as np
@@ -46,6 +48,23 @@ from .pool import PagePool, PoolFullError
 from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector
 from .spill import SpillFile
 from .table import SPILLED, PageTable, from_host
+
+# Set while a prompt is prefilled (Model.prefill): its rows attend densely however few they
+# are. Quest selects for decode steps only, so a prompt's last token has the logits of a
+# dense prefill whether it came in a chunk of its own (a cached prefix re-fed one token, a
+# chunk boundary one token before the end) or not.
+_PREFILLING: ContextVar[bool] = ContextVar("qwen38_prefilling", default=False)
+
+
+@contextmanager
+def prefilling() -> Iterator[None]:
+    """Forwards inside are a prompt's prefill (dense attention in every paged store)."""
+    token = _PREFILLING.set(True)
+    try:
+        yield
+    finally:
+        _PREFILLING.reset(token)
+
 
 # Set QWEN38_KV_PROFILE=1 (or PagedKV.profile = True) to time selection: it evaluates the
 # selection separately each step, which serialises decode, so it is off by default.
@@ -440,7 +459,7 @@ class PagedKV:
         """Append k/v [1, Hkv, T, D], then causal attention of q [1, Hq, T, D] over the pages."""
         self.append(k[0], v[0])
         T = q.shape[2]
-        if T == 1:
+        if T == 1 and not _PREFILLING.get():
             self.stats["decode_steps"] += 1
             n_pages, n_sel = self.selection_size()
             if n_sel < n_pages or self.always_select:
