@@ -78,6 +78,7 @@ class PrefixHit:
     tier: str  # "memory" or "disk"
     key: str
     path: Path | None = None
+    kv_options: dict = field(default_factory=dict)  # those of the entry's sequence
 
 
 @dataclass
@@ -216,7 +217,9 @@ class PrefixStore:
         limit = len(ids) if limit is None else min(limit, len(ids))
         best: PrefixHit | None = None
 
-        def consider(tokens: np.ndarray, tier: str, key: str, path: Path | None) -> None:
+        def consider(
+            tokens: np.ndarray, tier: str, key: str, path: Path | None, kv: dict | None
+        ) -> None:
             nonlocal best
             c = common_prefix(tokens, want)
             if c == len(tokens) and c <= limit:
@@ -226,11 +229,11 @@ class PrefixStore:
             else:
                 return
             if usable > 0 and (best is None or usable > best.length):
-                best = PrefixHit(usable, len(tokens), tier, key, path)
+                best = PrefixHit(usable, len(tokens), tier, key, path, dict(kv or {}))
 
         for key, e in self._memory.items():
             if e.fingerprint == fingerprint and (kinds is None or e.kinds in (None, kinds)):
-                consider(e.tokens, "memory", key, None)
+                consider(e.tokens, "memory", key, None, e.snap.extras.get("kv_options"))
         for path in self._files(fingerprint):
             header = self._header(path)
             if header is None:
@@ -251,7 +254,7 @@ class PrefixStore:
             key = path.name[: -len(SUFFIX)].partition("-")[2]
             if best is not None and best.tier == "memory" and best.key == key:
                 continue  # the same state is already in memory: no I/O
-            consider(tokens, "disk", key, path)
+            consider(tokens, "disk", key, path, info.kv_options)
         return best
 
     def load(self, hit: PrefixHit, model: Any) -> StateSnapshot:

@@ -105,6 +105,32 @@ class Session:
         points = [p for p in state.save_points if p <= common]
         return max(points, default=0)
 
+    def _continued_kv(self, ids: list[int], kv: dict) -> dict:
+        """The KV options of this call: its own; or, where it sets none, those of the state
+        (live, or a stored state file) holding the longest prefix of `ids`, when that is longer
+        than what the default layout has. A follow-up (`llm -c`, which passes no earlier
+        options) then continues a conversation in the layout it was computed in (a bounded,
+        spilling pool included) instead of prefilling it all again in the default one."""
+        if kv or not self.cache:
+            return kv
+        limit = len(ids) - 1
+        best, chosen = self._live_reuse(ids, kv, limit), kv
+        own = self.state.extras.get("kv_options") if self.state is not None else None
+        if own:
+            live = self._live_reuse(ids, own, limit)
+            if live > best:
+                best, chosen = live, own
+        hit = self._get_store().lookup(
+            self._fingerprint(),
+            ids,
+            truncatable=self.model.new_state().can_truncate,
+            kinds=None,  # any layout
+            limit=limit,
+        )
+        if hit is not None and hit.length > best:
+            chosen = hit.kv_options
+        return dict(chosen)
+
     def _prepare_state(self, ids: list[int], kv: dict) -> SequenceState:
         """The state to continue from: the live one cut back, a stored state file, or fresh.
 
@@ -194,7 +220,8 @@ class Session:
         stream ends with finish_reason "cancelled" and the state keeps what was computed.
         """
         req = prompt if isinstance(prompt, Request) else self.request(prompt, tools, **options)
-        ids, params, kv = req.ids, req.params, req.kv
+        ids, params = req.ids, req.params
+        kv = self._continued_kv(ids, req.kv)
         self._admit(ids, params, kv)
         state = self._prepare_state(ids, kv)
         if self.state is not None and self.state is not state:

@@ -26,7 +26,7 @@ import json
 import os
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,8 @@ class StateFileInfo:
     dtype: str
     kinds: list[str]
     tokens: list[int]
+    # the KV options the sequence was created with (Model.new_state), {} for the defaults
+    kv_options: dict[str, Any] = field(default_factory=dict)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -261,6 +263,7 @@ def save_state_file(
         dtype=meta["dtype"],
         kinds=meta["kinds"] or [],
         tokens=meta["tokens"],
+        kv_options=_kv_options(meta),
     )
 
 
@@ -419,7 +422,13 @@ def read_header(path: str | Path) -> StateFileInfo:
         dtype=str(meta.get("dtype")),
         kinds=list(meta.get("kinds") or []),
         tokens=[int(t) for t in meta["tokens"]],
+        kv_options=_kv_options(meta),
     )
+
+
+def _kv_options(meta: dict) -> dict[str, Any]:
+    options = (meta.get("extras") or {}).get("kv_options")
+    return dict(options) if isinstance(options, dict) else {}
 
 
 def read_state_file(path: str | Path, model: Any) -> StateSnapshot:

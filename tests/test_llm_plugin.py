@@ -277,6 +277,20 @@ def test_continue_in_a_new_process_restores_the_prefix(cli, tiny):
     assert second["token_details"]["cached_tokens"] > 0
 
 
+def test_continue_keeps_the_conversations_kv_layout(cli, tiny, tmp_path):
+    """`llm -c` without the first call's KV options continues in its paged, spilling
+    layout from the state file (not a full prefill in the default layout)."""
+    kv = ["-o", "kv_paged", "on", "-o", "kv_page_tokens", "16", "-o", "kv_pool_tokens", "32"]
+    kv += ["-o", "kv_spill_dir", str(tmp_path / "spill")]
+    prompt = " ".join(["one two three four five six seven eight"] * 8)
+    cli("-m", "tiny", prompt, "-o", "max_tokens", "5", *kv)
+    cli("-c", "and again", "-o", "max_tokens", "5")
+    first, second = cli.responses()[-2:]
+    assert first["response_json"]["kv"]["pages_spilled"] > 0
+    assert second["token_details"]["cached_tokens"] >= first["input_tokens"] - 4
+    assert second["response_json"]["kv"]["pages_spilled"] > 0
+
+
 def test_continue_with_cache_off_reprefills(cli, tiny):
     cli("-m", "tiny", "hello there", "-o", "max_tokens", "5", "-o", "seed", "1")
     cli("-c", "and again", "-o", "max_tokens", "5", "-o", "cache", "0")

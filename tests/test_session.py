@@ -131,6 +131,37 @@ def test_fresh_session_resumes_from_disk(dense, qwen3_5, tmp_path):
         assert text == first[1][0]
 
 
+@pytest.mark.parametrize("name", ["dense", "qwen3_5"])
+def test_a_follow_up_without_kv_options_continues_in_the_conversations_layout(
+    name, request, tmp_path
+):
+    """`llm -c` passes none of the earlier call's options: a call that sets no KV options
+    continues a stored conversation in the KV layout it was computed in (here a bounded pool
+    that spilled), reusing its prefix, with the tokens of a call that repeats the options;
+    a call that sets its own KV options keeps them."""
+    model = request.getfixturevalue(name)
+    P = 16
+    kv = {
+        "kv_paged": "on",
+        "kv_page_tokens": P,
+        "kv_pool_tokens": 4 * P,
+        "kv_spill_dir": str(tmp_path / "spill"),
+    }
+    directory = tmp_path / "store"
+    msgs = [{"role": "user", "content": " ".join(TURNS * 4)}]  # more than the pool's 4 pages
+    first, _ = _turn(model.session(cache=PrefixStore(directory)), msgs, **kv)
+    msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": TURNS[1]}]
+    again = model.session(cache=PrefixStore(directory))  # a new process's
+    text, done = _turn(again, msgs)
+    assert done.usage["cached"] > 0
+    assert again.state.extras["kv_options"] == kv
+    assert again.last_stats.kv["pages_spilled"] > 0
+    assert text == _turn(model.session(cache=False), msgs, **kv)[0]
+    own = model.session(cache=PrefixStore(directory))
+    _, done = _turn(own, msgs, kv_paged="off")
+    assert done.usage["cached"] == 0 and own.state.extras["kv_options"] == {"kv_paged": "off"}
+
+
 def test_cache_false_stores_nothing(dense, isolated_home):
     session = dense.session(cache=False)
     _turn(session, [{"role": "user", "content": TURNS[0]}])
