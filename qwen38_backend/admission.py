@@ -643,6 +643,24 @@ def free_disk(directory: Path) -> int | None:
         return None
 
 
+def prepare_spill_dir(plan: MemoryPlan) -> None:
+    """Create the spill directory of a plan that spills (a run is about to write there), so
+    one that cannot be made is refused by name before any work, and `admit` measures the free
+    space of its own disk. Not for plans that only inform (`qwen38 info`): it writes."""
+    if not plan.disk or plan.spill_dir is None:
+        return
+    try:
+        plan.spill_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise AdmissionError(
+            f"kv_spill_dir {plan.spill_dir}: cannot be created ({e.strerror or e}); a "
+            f"{plan.context:,}-token context with this KV pool spills up to {plan.disk:,} "
+            "bytes there"
+        ) from None
+    if not os.access(plan.spill_dir, os.W_OK | os.X_OK):
+        raise AdmissionError(f"kv_spill_dir {plan.spill_dir}: is not writable by this user")
+
+
 def admit(
     plan: MemoryPlan,
     available: int | None = None,

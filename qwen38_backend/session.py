@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from . import speculative
-from .admission import MemoryPlan, admit, available_memory, memory_plan
+from .admission import MemoryPlan, admit, available_memory, memory_plan, prepare_spill_dir
 from .errors import Cancelled, StateFileError
 from .events import Event, StreamParser
 from .generation import GenerationStats, TokenStream
@@ -177,6 +177,7 @@ class Session:
         context = len(ids) + params.max_tokens
         plan = memory_plan(self.model, context, prompt_tokens=len(ids), **kv)
         self.last_plan = plan
+        prepare_spill_dir(plan)
         if self.memory_limit is not None:
             available = int(self.memory_limit)
         else:

@@ -270,6 +270,26 @@ def test_a_spill_dir_that_is_a_file_is_refused_before_any_work(dense, tmp_path):
     assert len(list(stream)) == 5 and stream.stats.kv["pages_spilled"] > 0
 
 
+def test_a_spill_dir_that_cannot_be_created_is_refused_before_any_work(dense, tmp_path):
+    """A session whose plan spills creates its spill directory before the prefill: one that
+    cannot be made (its parent is a file) is refused by name, not reported as a full disk
+    (before: "/proc/x ... has 0 free") or failed part-way through."""
+    from qwen38_backend.errors import AdmissionError
+
+    (tmp_path / "afile").write_text("x")
+    where = tmp_path / "afile" / "spill"
+    opts = {"kv_topk": 4 * P, "kv_page_tokens": P, "kv_sinks": P, "kv_recent": P}
+    session = dense.session(cache=False, **opts, kv_pool_tokens=12 * P, kv_spill_dir=str(where))
+    ids = prompt(150, dense.config.vocab_size, seed=4)
+    with pytest.raises(AdmissionError, match="cannot be created"):
+        list(session.generate(ids, max_tokens=5))
+    assert session.state is None
+    fine = dense.session(cache=False, **opts, kv_pool_tokens=12 * P)
+    fine_dir = tmp_path / "made" / "here"
+    list(fine.generate(ids, max_tokens=5, kv_spill_dir=str(fine_dir)))
+    assert fine_dir.is_dir() and fine.last_stats.kv["pages_spilled"] > 0
+
+
 # ----- rewind and state files across spilled pages --------------------------------------------
 @pytest.mark.parametrize("where", ["inside a spilled page", "at a spilled page", "late"])
 def test_rewind_across_spilled_pages(dense, tmp_path, where):
