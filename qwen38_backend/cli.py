@@ -40,6 +40,19 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """KV store and draft options (run, chat and serve)."""
+    _add_kv_flags(p)
+    p.add_argument(
+        "--draft",
+        choices=["auto", "mtp", "ngram", "off"],
+        default=None,
+        help="speculative decoding drafts (same tokens, fewer forwards): auto = the MTP head "
+        "when the model has one; ngram = copy from earlier text (rewrites, quoting)",
+    )
+    p.add_argument("--draft-tokens", type=int, default=None, help="draft tokens per round (k)")
+
+
+def _add_kv_flags(p: argparse.ArgumentParser) -> None:
+    """KV store options (run, chat, serve, and info's memory plan)."""
     p.add_argument("--kv-paged", choices=["on", "off", "auto"], default=None)
     p.add_argument("--kv-topk", type=int, default=None, help="sparse decode token budget")
     p.add_argument("--kv-page-tokens", type=int, default=None)
@@ -52,24 +65,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="KV tokens kept in RAM per attention layer; older pages spill to disk",
     )
     p.add_argument("--kv-spill-dir", default=None, help="directory for the KV spill files")
-    p.add_argument(
-        "--draft",
-        choices=["auto", "mtp", "ngram", "off"],
-        default=None,
-        help="speculative decoding drafts (same tokens, fewer forwards): auto = the MTP head "
-        "when the model has one; ngram = copy from earlier text (rewrites, quoting)",
-    )
-    p.add_argument("--draft-tokens", type=int, default=None, help="draft tokens per round (k)")
+
+
+def _kv_options(args: argparse.Namespace) -> dict:
+    """The KV options given on the command line."""
+    from .kv import KV_OPTION_KEYS
+
+    # each has its --kv-... flag
+    return {k: getattr(args, k) for k in sorted(KV_OPTION_KEYS) if getattr(args, k) is not None}
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """The KV and draft options given on the command line."""
-    from .kv import KV_OPTION_KEYS
-
-    opts = {}
-    for name in sorted(KV_OPTION_KEYS):  # each has its --kv-... flag
-        if getattr(args, name) is not None:
-            opts[name] = getattr(args, name)
+    opts = _kv_options(args)
     for name in ("draft", "draft_tokens"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
@@ -192,7 +200,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from .info import describe
 
-    print(describe(args.model, context=args.context, ranks=args.ranks))
+    kv = _kv_options(args)
+    if kv and args.context is None:
+        from .errors import InvalidOptionError
+
+        raise InvalidOptionError("--kv-* options shape the memory plan: give --context N too")
+    print(describe(args.model, context=args.context, ranks=args.ranks, **kv))
     return 0
 
 
@@ -287,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ranks", type=int, default=1, help="plan one rank of the model split over N ranks"
     )
+    _add_kv_flags(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("add", help="register weights under a name (shared with `llm qwen38`)")

@@ -60,6 +60,21 @@ def test_info_prints_architecture_and_memory_plan(tmp_path, isolated_home):
     assert "memory plan" in out.stdout and "kv" in out.stdout
 
 
+def test_info_plans_with_the_kv_options_of_a_run(tmp_path, isolated_home):
+    """`qwen38 info --context N` takes the KV flags `run` takes, so "does 262K fit with this
+    pool?" is asked of the same plan a run gets; without --context they are refused."""
+    model = dense_fixture("qwen3", tmp_path)
+    spill = tmp_path / "spill"
+    args = ["info", str(model), "--context", "262144", "--kv-paged", "on"]
+    args += ["--kv-pool-tokens", "4096", "--kv-spill-dir", str(spill)]
+    out = qwen38(*args, env_home=isolated_home)
+    assert out.returncode == 0, out.stderr
+    assert "pool kv_pool_tokens=4,096" in out.stdout and f"({spill})" in out.stdout
+    assert not spill.exists()  # a plan that only informs writes nothing
+    bad = qwen38("info", str(model), "--kv-pool-tokens", "4096", env_home=isolated_home)
+    assert bad.returncode != 0 and "give --context N too" in bad.stderr
+
+
 def test_info_plans_one_rank_of_a_split_model(tmp_path, isolated_home):
     from qwen38_backend.admission import memory_plan
 
