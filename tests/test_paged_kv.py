@@ -10,6 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qwen38_backend
 from qwen38_backend.errors import InvalidOptionError
@@ -354,6 +356,36 @@ def test_a_prompts_last_token_attends_densely_however_it_is_fed(tmp_path):
     list(session.generate(ids))  # the live state is cut back to all but the last token
     assert session.last_stats.cached_tokens == len(ids) - 1
     assert session.state.tokens == fresh_tokens
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(tmp_path_factory):
+    return qwen38_backend.load(str(dense_fixture("qwen3", tmp_path_factory.mktemp("q3"))))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(24, 110),
+    chunk=st.integers(1, 40),
+    cached=st.integers(0, 109),
+    topk=st.sampled_from([8, 16, 24]),
+)
+def test_quest_prompt_logits_do_not_depend_on_how_the_prompt_is_fed(
+    qwen3_model, n, chunk, cached, topk
+):
+    """Under Quest, a prompt's last logits are those of one dense prefill whatever the chunk
+    size and however much of it came from an earlier call's state (rewound to `cached`)."""
+    model = qwen3_model
+    opts = {"kv_paged": "on", "kv_topk": topk, "kv_page_tokens": 8, "kv_sinks": 8}
+    opts["kv_recent"] = 8
+    ids = prompt(n, model.config.vocab_size, seed=chunk)
+    whole = np.array(model.prefill(ids, model.new_state(**opts), chunk=n).astype(mx.float32))
+    state = model.new_state(**opts)
+    model.prefill(ids, state, chunk=chunk)
+    mx.eval(model.forward([7], state))  # a decode step past the prompt, as a call leaves it
+    state.truncate(min(cached, n - 1))
+    fed = model.prefill(ids[state.offset :], state, chunk=chunk)
+    np.testing.assert_allclose(np.array(fed.astype(mx.float32)), whole, atol=1e-4)
 
 
 # ----- memory ------------------------------------------------------------------------------
