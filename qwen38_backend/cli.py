@@ -163,6 +163,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+# what ends `qwen38 chat` (llm chat's words, and the slash forms other chat tools use)
+QUIT_WORDS = ("exit", "quit", "/exit", "/quit", "/bye")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     import qwen38_backend
 
@@ -175,8 +179,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             line = input("> ")
         except EOFError:
             return 0
-        if line.strip() in ("exit", "quit"):
+        if line.strip().lower() in QUIT_WORDS:
             return 0
+        if not line.strip():  # nothing typed: ask again rather than send an empty turn
+            continue
         messages.append({"role": "user", "content": line})
         answer, _ = _stream_turn(session, messages, args)  # Ctrl-C ends the turn, not the chat
         messages.append({"role": "assistant", "content": answer})

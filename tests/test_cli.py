@@ -11,7 +11,7 @@ import pytest
 from helpers import dense_fixture
 
 
-def qwen38(*args: str, env_home) -> subprocess.CompletedProcess:
+def qwen38(*args: str, env_home, input: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "QWEN38_HOME": str(env_home)}
     return subprocess.run(
         [sys.executable, "-m", "qwen38_backend.cli", *args],
@@ -19,7 +19,19 @@ def qwen38(*args: str, env_home) -> subprocess.CompletedProcess:
         text=True,
         env=env,
         timeout=300,
+        input=input,
     )
+
+
+def test_chat_answers_each_line_skips_empty_ones_and_quits_on_slash_exit(tmp_path, isolated_home):
+    model = dense_fixture("qwen3", tmp_path)
+    args = ["chat", str(model), "--max-tokens", "3", "--no-think", "--stats"]
+    out = qwen38(*args, env_home=isolated_home, input="hello\n\n   \nagain\n/exit\nnever\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("generated") == 2  # two turns: empty lines sent nothing
+    for word in ("quit", "/quit", "/bye", "EXIT"):
+        done = qwen38(*args, env_home=isolated_home, input=f"{word}\nhello\n")
+        assert done.returncode == 0 and "generated" not in done.stderr
 
 
 def test_run_streams_an_answer_and_reports_stats(tmp_path, isolated_home):
