@@ -105,13 +105,17 @@ class Session:
         points = [p for p in state.save_points if p <= common]
         return max(points, default=0)
 
-    def _continued_kv(self, ids: list[int], kv: dict) -> dict:
-        """The KV options of this call: its own; or, where it sets none, those of the state
-        (live, or a stored state file) holding the longest prefix of `ids`, when that is longer
-        than what the default layout has. A follow-up (`llm -c`, which passes no earlier
-        options) then continues a conversation in the layout it was computed in (a bounded,
-        spilling pool included) instead of prefilling it all again in the default one."""
-        if kv or not self.cache:
+    def continued_kv(self, ids: list[int]) -> dict:
+        """The KV options of the state (live, or a stored state file) holding the longest
+        prefix of `ids`, when that is longer than what the default layout holds; else {}.
+        For a caller that knows `ids` continue one conversation and was not given its
+        options again (`llm -c` passes none of the first call's): passed to generate, the
+        conversation goes on in the layout it was computed in (a bounded, spilling pool, a
+        Quest budget) instead of being prefilled again in the default one. Not applied
+        implicitly: another conversation that only shares a prefix (a system prompt) keeps
+        the default layout and its exact decode."""
+        kv: dict = {}
+        if not self.cache:
             return kv
         limit = len(ids) - 1
         best, chosen = self._live_reuse(ids, kv, limit), kv
@@ -221,8 +225,7 @@ class Session:
         stream ends with finish_reason "cancelled" and the state keeps what was computed.
         """
         req = prompt if isinstance(prompt, Request) else self.request(prompt, tools, **options)
-        ids, params = req.ids, req.params
-        kv = self._continued_kv(ids, req.kv)
+        ids, params, kv = req.ids, req.params, req.kv
         self._admit(ids, params, kv)
         state = self._prepare_state(ids, kv)
         if self.state is not None and self.state is not state:

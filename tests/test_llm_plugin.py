@@ -279,7 +279,8 @@ def test_continue_in_a_new_process_restores_the_prefix(cli, tiny):
 
 def test_continue_keeps_the_conversations_kv_layout(cli, tiny, tmp_path):
     """`llm -c` without the first call's KV options continues in its paged, spilling
-    layout from the state file (not a full prefill in the default layout)."""
+    layout from the state file (not a full prefill in the default layout); a new
+    conversation does not inherit it."""
     kv = ["-o", "kv_paged", "on", "-o", "kv_page_tokens", "16", "-o", "kv_pool_tokens", "32"]
     kv += ["-o", "kv_spill_dir", str(tmp_path / "spill")]
     prompt = " ".join(["one two three four five six seven eight"] * 8)
@@ -289,6 +290,9 @@ def test_continue_keeps_the_conversations_kv_layout(cli, tiny, tmp_path):
     assert first["response_json"]["kv"]["pages_spilled"] > 0
     assert second["token_details"]["cached_tokens"] >= first["input_tokens"] - 4
     assert second["response_json"]["kv"]["pages_spilled"] > 0
+    # a new conversation with the same opening keeps the default layout
+    cli("-m", "tiny", prompt + " and more", "-o", "max_tokens", "5")
+    assert "pages_spilled" not in cli.responses()[-1]["response_json"]["kv"]
 
 
 def test_continue_with_cache_off_reprefills(cli, tiny):

@@ -132,13 +132,12 @@ def test_fresh_session_resumes_from_disk(dense, qwen3_5, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["dense", "qwen3_5"])
-def test_a_follow_up_without_kv_options_continues_in_the_conversations_layout(
-    name, request, tmp_path
-):
-    """`llm -c` passes none of the earlier call's options: a call that sets no KV options
-    continues a stored conversation in the KV layout it was computed in (here a bounded pool
-    that spilled), reusing its prefix, with the tokens of a call that repeats the options;
-    a call that sets its own KV options keeps them."""
+def test_continued_kv_names_the_layout_a_conversation_was_computed_in(name, request, tmp_path):
+    """`llm -c` passes none of the earlier call's options: Session.continued_kv names the KV
+    options of the stored state holding the longest prefix (here a bounded pool that
+    spilled), and a follow-up given them reuses that prefix, with the tokens of a call that
+    repeats the options. A call that sets no options keeps the default layout (another
+    conversation sharing a prefix must not inherit a Quest budget or a pool)."""
     model = request.getfixturevalue(name)
     P = 16
     kv = {
@@ -152,14 +151,17 @@ def test_a_follow_up_without_kv_options_continues_in_the_conversations_layout(
     first, _ = _turn(model.session(cache=PrefixStore(directory)), msgs, **kv)
     msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": TURNS[1]}]
     again = model.session(cache=PrefixStore(directory))  # a new process's
-    text, done = _turn(again, msgs)
+    ids, _ = again.render(msgs, enable_thinking=False)
+    assert again.continued_kv(ids) == kv
+    text, done = _turn(again, msgs, **again.continued_kv(ids))
     assert done.usage["cached"] > 0
     assert again.state.extras["kv_options"] == kv
     assert again.last_stats.kv["pages_spilled"] > 0
     assert text == _turn(model.session(cache=False), msgs, **kv)[0]
-    own = model.session(cache=PrefixStore(directory))
-    _, done = _turn(own, msgs, kv_paged="off")
-    assert done.usage["cached"] == 0 and own.state.extras["kv_options"] == {"kv_paged": "off"}
+    plain = model.session(cache=PrefixStore(directory))
+    _, done = _turn(plain, msgs)
+    assert plain.state.extras["kv_options"] == {}
+    assert model.session(cache=False).continued_kv(ids) == {}
 
 
 def test_cache_false_stores_nothing(dense, isolated_home):

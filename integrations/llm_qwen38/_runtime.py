@@ -228,16 +228,20 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
     session = session_for(model, path, request.conversation_id, cache)
     # messages (not ids): the request records the last message boundary, where models with
     # recurrent layers snapshot to reuse the conversation on the next turn
-    req = session.request(
-        request.messages,
-        request.tools or None,
-        tool_choice=opts.pop("tool_choice", None),
-        tool_style=opts.pop("tool_style", None),
-        response_format=request.schema,
-        reasoning=opts.pop("think", None),
-        model_sampling=True,
-        **opts,
-    )
+    shape = {
+        "tool_choice": opts.pop("tool_choice", None),
+        "tool_style": opts.pop("tool_style", None),
+        "response_format": request.schema,
+        "reasoning": opts.pop("think", None),
+        "model_sampling": True,
+    }
+    req = session.request(request.messages, request.tools or None, **shape, **opts)
+    if cache and not req.kv and any(m.get("role") == "assistant" for m in request.messages):
+        # `llm -c` repeats none of the first call's options: the conversation goes on in
+        # the KV layout its state was computed in (Session.continued_kv)
+        kv = session.continued_kv(req.ids)
+        if kv:
+            req = session.request(request.messages, request.tools or None, **shape, **opts, **kv)
     from qwen38_backend.prefix_store import StateFileWarning
 
     if cache:
