@@ -236,12 +236,6 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
         "model_sampling": True,
     }
     req = session.request(request.messages, request.tools or None, **shape, **opts)
-    if cache and not req.kv and any(m.get("role") == "assistant" for m in request.messages):
-        # `llm -c` repeats none of the first call's options: the conversation goes on in
-        # the KV layout its state was computed in (Session.continued_kv)
-        kv = session.continued_kv(req.ids)
-        if kv:
-            req = session.request(request.messages, request.tools or None, **shape, **opts, **kv)
     from qwen38_backend.prefix_store import StateFileWarning
 
     if cache:
@@ -250,6 +244,14 @@ def run(request: Request, emit: Callable[[tuple], None]) -> None:
     with warnings.catch_warnings():
         # reported once, on its own line, by execute() (and in response_json)
         warnings.simplefilter("ignore", StateFileWarning)
+        if cache and not req.kv and any(m.get("role") == "assistant" for m in request.messages):
+            # `llm -c` repeats none of the first call's options: the conversation goes on
+            # in the KV layout its state was computed in (Session.continued_kv)
+            kv = session.continued_kv(req.ids)
+            if kv:
+                req = session.request(
+                    request.messages, request.tools or None, **shape, **opts, **kv
+                )
         events = session.generate(req, cancel=request.cancel)
         try:
             for event in events:
