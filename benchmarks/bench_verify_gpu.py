@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 from bench_gpu_27b import prompt, random_model  # noqa: E402
-from common import write_json  # noqa: E402
+from common import WaitClock, write_json  # noqa: E402
 
 
 def timed_forward(model, state, ids: list[int]) -> tuple[float, object]:
@@ -65,6 +65,17 @@ def one_row_products():
             else:
                 os.environ[k] = v
         rows_matmul.available.cache_clear()
+
+
+def clocked(decode, **options) -> dict:
+    """One decode under a WaitClock: per forward, the waits in mx.eval (a round's read-back;
+    a plain step waits in .item(), counted in other_ms), hand-overs and the rest."""
+    with WaitClock() as clock:
+        t = time.perf_counter()
+        tokens, stats, _ = decode(**options)
+        wall = time.perf_counter() - t
+    forwards = stats.forwards or len(tokens)  # plain decoding counts no forwards
+    return {"forwards": forwards, **clock.split(wall, forwards)}
 
 
 def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
@@ -132,6 +143,11 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
                 }
             best = max(by_k, key=lambda k: by_k[k]["tok_s"])
             out["by_p"][str(p)] = {"by_k": by_k, "best_k": int(best), **by_k[best]}
+            if args.clock:
+                row = out["by_p"][str(p)]
+                row["clocked"] = clocked(decode, draft="ngram", draft_tokens=int(best))
+        if args.clock:
+            out["plain_clocked"] = clocked(decode, draft="off")
         if args.profile_out:
             import cProfile
             import pstats
@@ -160,6 +176,7 @@ def main() -> None:
     ap.add_argument("--e2e", type=int, default=0, help="tokens decoded end to end (0: skip)")
     ap.add_argument("--e2e-runs", type=int, default=3)
     ap.add_argument("--profile-out", default=None)
+    ap.add_argument("--clock", action="store_true", help="per forward: waits, hand-overs, the rest")
     ap.add_argument(
         "--eager-layers",
         type=lambda v: [int(x) for x in v.split(",")],

@@ -21,6 +21,51 @@ blas.use_system_openblas()
 import mlx.core as mx  # noqa: E402
 
 
+class WaitClock:
+    """Host time split by what it waits on: while installed (a context manager), mx.eval
+    and mx.async_eval are timed (seconds and calls each), so a decode's wall time splits into
+    waits for the device (`eval`: also the device's compute on a CPU), hand-overs
+    (`async_eval`: host cost of queueing work) and the rest (building graphs, Python).
+    Installed over the module functions, so the engine's own calls are timed."""
+
+    names = ("eval", "async_eval")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.names, 0.0)
+        self.calls = dict.fromkeys(self.names, 0)
+        self._saved: dict[str, Callable] = {}
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+                self.calls[name] += 1
+
+        return timed
+
+    def __enter__(self) -> WaitClock:
+        for name in self.names:
+            self._saved[name] = getattr(mx, name)
+            setattr(mx, name, self._timed(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(mx, name, fn)
+
+    def split(self, wall: float, per: int) -> dict:
+        """ms per unit (`per`: steps, rounds) of the wall time `wall` spent in each part."""
+        waits = sum(self.seconds.values())
+        out = {f"{n}_ms": 1e3 * self.seconds[n] / per for n in self.names}
+        out.update({f"{n}_calls": self.calls[n] / per for n in self.names})
+        out["other_ms"] = 1e3 * (wall - waits) / per
+        out["wall_ms"] = 1e3 * wall / per
+        return out
+
+
 def median_of(runs: int, fn: Callable[[], float]) -> dict:
     """Run fn (which returns a measurement) `runs` times; report median, min, max, all."""
     values = [fn() for _ in range(runs)]

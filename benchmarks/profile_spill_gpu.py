@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import prompt, random_model  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from common import WaitClock, environment, write_json  # noqa: E402
 
 
 def step_times(model, state, first: int, n: int) -> list[float]:
@@ -43,6 +43,27 @@ def step_times(model, state, first: int, n: int) -> list[float]:
         times.append(now - t)
         t = now
     return times
+
+
+def clocked_runs(model, state, first: int, args, n_attn: int) -> dict:
+    """One more decode under a WaitClock (per step: waits in mx.eval, hand-overs, the rest)
+    per QWEN38_EAGER_LAYERS stride in --eager-layers (the default alone without it)."""
+    import os
+
+    strides = args.eager_layers.split(",") if args.eager_layers else [None]
+    out = {}
+    for stride in strides:
+        if stride is not None:
+            os.environ["QWEN38_EAGER_LAYERS"] = stride
+        before = fetched(state)
+        with WaitClock() as clock:
+            times = step_times(model, state, first, args.decode)
+        row = clock.split(sum(times), len(times))
+        row["pages_fetched_per_layer_step"] = (fetched(state) - before) / (len(times) * n_attn)
+        row["median_step_ms"] = 1e3 * statistics.median(times[1:])
+        out[stride or "default"] = row
+        os.environ.pop("QWEN38_EAGER_LAYERS", None)
+    return out
 
 
 def attention_layers(state) -> list:
@@ -71,6 +92,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (model default)")
     ap.add_argument("--runs", type=int, default=1, help="timed decodes (medians over them)")
+    ap.add_argument(
+        "--eager-layers",
+        default=None,
+        help="comma list of QWEN38_EAGER_LAYERS strides: one more clocked spilled run each",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -101,6 +127,7 @@ def main() -> None:
             medians.append(statistics.median(times[1:]))
             rates.append((len(times) - 1) / sum(times[1:]))
             per_layer_step.append((fetched(state) - before) / (len(times) * n_attn))
+        clocked = clocked_runs(model, state, first, args, n_attn)
         profile = cProfile.Profile()
         profile.enable()
         step_times(model, state, first, args.decode)
@@ -115,6 +142,7 @@ def main() -> None:
             "tok_s_runs": rates,
             "pages_fetched_per_layer_step": statistics.median(per_layer_step),
             "pages_fetched_total": fetched(state),
+            "clocked": clocked,
             "top_tottime": top(profile, "tottime", 25),
             "top_cumtime": top(profile, "cumulative", 40),
         }
