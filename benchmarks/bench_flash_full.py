@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -136,6 +137,30 @@ def timed_prefill(model, ids: list[int], chunk: int, kv: dict) -> tuple[float, o
     return len(ids) / (time.perf_counter() - t), state, last
 
 
+def by_stride(args, model, state, first: int, want: list[int], bound: float) -> dict:
+    """Decode tok/s (median of --runs) per hand-over stride: how often a step gives the
+    layers built so far to the device (SequenceState.eager_layers; PLE's read-back of the
+    token ids makes a step wait for the previous one, so the rest is built after it)."""
+    out = {}
+    for stride in args.eager_layers.split(","):
+        os.environ["QWEN38_EAGER_LAYERS"] = stride
+        runs, same = [], True
+        for _ in range(args.runs):
+            tps, toks, _ = decode(model, state, first, args.decode)
+            runs.append(tps)
+            same = same and toks == want
+            state.truncate(args.depth)
+        median = statistics.median(runs)
+        out[stride] = {
+            "tokens_per_second": {"median": median, "runs": runs},
+            "percent_of_bound": 100 * median / bound,
+            "identical_to_default": same,
+        }
+        log(f"decode, hand-over stride {stride}: {median:.2f} tok/s")
+    os.environ.pop("QWEN38_EAGER_LAYERS", None)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dims", default="reduced", choices=["reduced", "flash"])
@@ -154,6 +179,12 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbps", type=float, default=None)
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--eager-layers",
+        default=None,
+        help="comma list of QWEN38_EAGER_LAYERS strides (0: the whole step at once): decode "
+        "tok/s for each, after the default",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lengths = [int(x) for x in args.prefill.split(",") if x]
@@ -242,6 +273,8 @@ def main() -> None:
     result["bytes_per_token"] = reads
     result["decode_bound_tokens_per_second"] = bound
     result["decode_percent_of_bound"] = 100 * median / bound
+    if args.eager_layers:
+        result["decode_by_eager_layers"] = by_stride(args, model, state, first, outs[0], bound)
     del state
     mx.clear_cache()
     save(result, args.out)

@@ -196,10 +196,11 @@ class SequenceState:
         the next instead of idling until the whole graph is built: when a layer reads device
         results back part-way through (`reads_back`), and for a speculative verify (a step of
         several rows), which nothing else overlaps (plain steps overlap the next step). Every
-        layer unless QWEN38_EAGER_LAYERS says otherwise (each hand-over costs host time)."""
+        layer unless QWEN38_EAGER_LAYERS says otherwise (each hand-over costs host time; 0:
+        never, the whole step goes at once)."""
         if not (1 < rows <= STEP_MAX_ROWS or self.reads_back()):
             return 0
-        return max(int(os.environ.get("QWEN38_EAGER_LAYERS", "1")), 1)
+        return max(int(os.environ.get("QWEN38_EAGER_LAYERS", "1")), 0)
 
     def layer_built(self, index: int, out: mx.array, rows: int, eager: int) -> None:
         """After layer `index` of a forward of `rows` positions is built (its output `out`).
@@ -228,7 +229,7 @@ class SequenceState:
 
     def reads_back(self) -> bool:
         """Whether some layer reads device results on the host part-way through a step (a
-        paged store fetching the spilled pages of its selection)."""
+        paged store fetching the spilled pages of its selection, a PLE layer its token ids)."""
         for layer in self.layers:
             for store in (layer, getattr(layer, "kv", None)):
                 probe = getattr(store, "reads_back", None)

@@ -623,3 +623,26 @@ def test_4bit_expert_checkpoint_loads_and_matches_dequantized(weights_dir, tmp_p
     q.forward(ids[:36], state)
     rows = [np.array(q.forward([t], state).astype(mx.float32))[0] for t in ids[36:]]
     np.testing.assert_allclose(np.stack(rows), want[36:], atol=1e-4 * np.abs(want).max())
+
+
+def test_a_ple_step_hands_its_layers_to_the_device_as_they_are_built(model, monkeypatch):
+    """PLE reads a step's token ids on the host, so building decode step t+1 waits there for
+    step t: the step then hands each layer to the device (mx.async_eval) as it is built
+    instead of all at once at the end. Tokens equal the whole-step hand-over
+    (QWEN38_EAGER_LAYERS=0) and a stride of 3."""
+    ids = _tokens(LENGTHS[-1])
+    n_layers = len(model.net.model.layers)
+    assert model.net.make_state().reads_back()
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: queued.append(len(a)) or real(*a))
+    runs = {}
+    for stride in ("0", "1", "3"):
+        monkeypatch.setenv("QWEN38_EAGER_LAYERS", stride)
+        queued.clear()
+        tokens = list(model.generate_tokens(ids, max_tokens=6, stop_token_ids=[]))
+        runs[stride] = (tokens, len(queued))
+    assert runs["0"][0] == runs["1"][0] == runs["3"][0]
+    decode_steps = 5  # the first token comes from the prefill
+    assert runs["1"][1] >= runs["0"][1] + decode_steps * n_layers
+    assert runs["0"][1] < runs["3"][1] < runs["1"][1]

@@ -81,6 +81,14 @@ class PLEMixerState:
         self.mixer.set_record(on)
         self.ple.set_record(on)
 
+    def reads_back(self) -> bool:
+        """PLE looks its n-gram rows up on the host (the table is too large for a device),
+        so a step reads its token ids back at this layer: in pipelined decoding, building
+        step t+1 waits here for step t to finish. Reported (SequenceState.reads_back) so a
+        step hands its layers to the device as they are built, instead of the device idling
+        until the host has built the whole step after the wait."""
+        return True
+
     def replay(self, n: int) -> None:
         self.ple.replay(n)
         self.mixer.replay(n)
