@@ -154,14 +154,34 @@ def random_model(
     return Model(net, read, dtype, name="27b-random", group=group), config, nbytes
 
 
+def decode_times(model, state, logits, n: int) -> list[float]:
+    """Wall seconds to each of n greedy tokens decoded after the prefill's last `logits`, as
+    generation decodes after a prompt (times[0]: sampling the first token; each later one a
+    decode step). Feeding that first token through Model.run instead would prefill it: a
+    prompt row attends densely, which reads every spilled page of a capped pool once."""
+    from qwen38_backend.generation import GenerationStats
+    from qwen38_backend.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=n, stop_token_ids=[])
+    times, t = [], time.perf_counter()
+    for _ in model.decode(logits, state, params, GenerationStats()):
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    return times
+
+
+def decode_rate(times: list[float]) -> float:
+    """Decode tok/s of decode_times' result: the steps after the first token."""
+    return (len(times) - 1) / sum(times[1:])
+
+
 def prefill_then_decode(
     model, ids: list[int], runs: int, decode: int, chunk: int | None = None
 ) -> tuple[list[float], list[float]]:
     """Per run: prefill `ids` into a fresh state (tok/s, synchronised), then decode `decode`
     greedy tokens after it (tok/s). Returns (prefill rates, decode rates)."""
     import mlx.core as mx
-
-    from qwen38_backend.sampling import SamplingParams
 
     pre, dec = [], []
     for _ in range(runs):
@@ -172,11 +192,7 @@ def prefill_then_decode(
         mx.eval(logits)
         mx.synchronize()
         pre.append(len(ids) / (time.perf_counter() - t))
-        first = int(mx.argmax(logits).item())
-        stream = model.run([first], state, SamplingParams(max_tokens=decode, stop_token_ids=[]))
-        for _ in stream:
-            pass
-        dec.append(stream.stats.decode_tokens_per_second)
+        dec.append(decode_rate(decode_times(model, state, logits, decode)))
         del state
         mx.clear_cache()
     return pre, dec

@@ -21,17 +21,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_gpu_27b import prompt, random_model  # noqa: E402
+from bench_gpu_27b import decode_rate, decode_times, prompt, random_model  # noqa: E402
 from common import settings  # noqa: E402
 
 
-def decode(model, state, first: int, n: int) -> float:
-    from qwen38_backend.sampling import SamplingParams
-
-    stream = model.run([first], state, SamplingParams(max_tokens=n, stop_token_ids=[]))
-    for _ in stream:
-        pass
-    return stream.stats.decode_tokens_per_second
+def decode(model, state, logits, n: int) -> float:
+    """Decode tok/s of n greedy tokens after the prompt, then back to its end (the state's
+    save point). Four tokens first, untimed: a new depth compiles kernels for its shapes."""
+    length = state.offset
+    for steps in (4, n):
+        times = decode_times(model, state, logits, steps)
+        state.truncate(length)
+    return decode_rate(times)
 
 
 def attention_layers(state) -> list:
@@ -54,8 +55,9 @@ def read_totals(state) -> tuple[int, float]:
 
 def spill_reads(state, before: tuple[int, float]) -> dict:
     """What decode read from the spill file (bytes, seconds, GB/s; `before`: the totals
-    before decode), and a plain sequential read of the same file in the same run: with its
-    page cache dropped first (cold) and again right after (warm)."""
+    before decode; its untimed warm-up tokens included), and a plain sequential read of the
+    same file in the same run: with its page cache dropped first (cold) and again right
+    after (warm)."""
     import os
 
     ios = spill_ios(state)
@@ -170,16 +172,14 @@ def main() -> None:
         seconds = time.perf_counter() - t
         kv_bytes = state.nbytes()
         peak = mx.get_peak_memory()
-        first = int(mx.argmax(logits).item())
-        state.save_point()  # the Gated DeltaNet state to rewind the Quest tokens to
+        state.save_point()  # the Gated DeltaNet state to rewind the decoded tokens to
         before = read_totals(state)
-        quest = decode(model, state, first, args.decode)
+        quest = decode(model, state, logits, args.decode)
         quest_kv = collect_kv_stats(state)
         spill = spill_reads(state, before)
-        state.truncate(length)
         for layer in attention_layers(state):
             layer.budget_pages = 1 << 30  # covers everything: dense attention through pages
-        dense = None if args.no_dense else decode(model, state, first, args.decode)
+        dense = None if args.no_dense else decode(model, state, logits, args.decode)
         row = {
             "prefill_tok_s": length / seconds,
             "prefill_seconds": seconds,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -44,6 +45,8 @@ def worker(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - t
     stats = stream.stats
     files = list(Path(spill_dir).glob("kv-*.spill")) if spill_dir else []
+    if spill_dir:
+        shutil.rmtree(spill_dir, ignore_errors=True)
     print(
         json.dumps(
             {

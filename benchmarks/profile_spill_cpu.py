@@ -22,6 +22,7 @@ import cProfile
 import io
 import json
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -168,6 +169,7 @@ def main() -> None:
             layer.close()
         del layers
         mx.clear_cache()
+    shutil.rmtree(spill_dir, ignore_errors=True)
     extra = result["spilled"]["median_step_s"] - result["resident"]["median_step_s"]
     result["extra_ms_per_layer_step"] = 1e3 * extra / args.layers
     print(json.dumps({"extra_ms_per_layer_step": result["extra_ms_per_layer_step"]}), flush=True)

@@ -3,9 +3,11 @@
     python benchmarks/profile_spill_gpu.py --layers 16 --length 32768 --pool-tokens 8192
 
 Prefills one paged state fully resident and one with a capped pool (pages spilled), then
-decodes `--runs` x `--decode` tokens on each: per-step wall times (median, first step apart:
-it fetches most of the first selection), pages fetched per attention layer-step, then one
-more `--decode` tokens under cProfile (top functions by own time and by cumulative time).
+decodes `--runs` x `--decode` tokens on each after the prompt (rewinding to its end after
+each): per-step wall times (median, first step apart: it fetches most of the first
+selection), pages fetched per attention layer-step, one more decode per --eager-layers
+stride under a WaitClock, then one more under cProfile (top functions by own time and by
+cumulative time).
 `host_ms_per_layer_step` is the spilled step's extra time over the resident one per
 attention layer. On a CPU (the same shape of host work, small dims):
 
@@ -20,6 +22,7 @@ import cProfile
 import io
 import json
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,24 +31,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_gpu_27b import prompt, random_model  # noqa: E402
+from bench_gpu_27b import decode_times, prompt, random_model  # noqa: E402
 from common import WaitClock, environment, write_json  # noqa: E402
 
 
-def step_times(model, state, first: int, n: int) -> list[float]:
-    """Wall seconds between consecutive tokens of a greedy decode."""
-    from qwen38_backend.sampling import SamplingParams
-
-    stream = model.run([first], state, SamplingParams(max_tokens=n, stop_token_ids=[]))
-    times, t = [], time.perf_counter()
-    for _ in stream:
-        now = time.perf_counter()
-        times.append(now - t)
-        t = now
+def step_times(model, state, logits, n: int) -> list[float]:
+    """Wall seconds to each token of a greedy decode after the prompt (times[0]: the first
+    token, sampled from the prefill's logits), then back to the prompt's end."""
+    length = state.offset
+    times = decode_times(model, state, logits, n)
+    state.truncate(length)
     return times
 
 
-def clocked_runs(model, state, first: int, args, n_attn: int) -> dict:
+def clocked_runs(model, state, logits, args, n_attn: int) -> dict:
     """One more decode under a WaitClock (per step: waits in mx.eval, hand-overs, the rest)
     per QWEN38_EAGER_LAYERS stride in --eager-layers (the default alone without it)."""
     import os
@@ -57,9 +56,10 @@ def clocked_runs(model, state, first: int, args, n_attn: int) -> dict:
             os.environ["QWEN38_EAGER_LAYERS"] = stride
         before = fetched(state)
         with WaitClock() as clock:
-            times = step_times(model, state, first, args.decode)
-        row = clock.split(sum(times), len(times))
-        row["pages_fetched_per_layer_step"] = (fetched(state) - before) / (len(times) * n_attn)
+            times = step_times(model, state, logits, args.decode)
+        steps = len(times) - 1  # forwards: the first token is sampled from the prefill's
+        row = clock.split(sum(times), steps)
+        row["pages_fetched_per_layer_step"] = (fetched(state) - before) / (steps * n_attn)
         row["median_step_ms"] = 1e3 * statistics.median(times[1:])
         out[stride or "default"] = row
         os.environ.pop("QWEN38_EAGER_LAYERS", None)
@@ -116,21 +116,22 @@ def main() -> None:
         state = model.new_state(**kv, **extra)
         t = time.perf_counter()
         logits = model.prefill(prompt(args.length, vocab), state, chunk=args.chunk)
-        first = int(mx.argmax(logits).item())
+        mx.eval(logits)
         prefill_seconds = time.perf_counter() - t
-        step_times(model, state, first, 4)  # warm: compiles the decode graph
+        state.save_point()  # each run rewinds to the prompt's end
+        step_times(model, state, logits, 4)  # warm: compiles the decode graph
         n_attn = len(attention_layers(state))
         medians, rates, per_layer_step = [], [], []
         for _ in range(args.runs):
             before = fetched(state)
-            times = step_times(model, state, first, args.decode)
+            times = step_times(model, state, logits, args.decode)
             medians.append(statistics.median(times[1:]))
             rates.append((len(times) - 1) / sum(times[1:]))
-            per_layer_step.append((fetched(state) - before) / (len(times) * n_attn))
-        clocked = clocked_runs(model, state, first, args, n_attn)
+            per_layer_step.append((fetched(state) - before) / ((len(times) - 1) * n_attn))
+        clocked = clocked_runs(model, state, logits, args, n_attn)
         profile = cProfile.Profile()
         profile.enable()
-        step_times(model, state, first, args.decode)
+        step_times(model, state, logits, args.decode)
         profile.disable()
         row = {
             "prefill_seconds": prefill_seconds,
@@ -151,6 +152,7 @@ def main() -> None:
         state.close()
         del state, logits
         mx.clear_cache()
+    shutil.rmtree(spill_dir, ignore_errors=True)
     extra_s = result["spilled"]["median_step_s"] - result["resident"]["median_step_s"]
     result["host_ms_per_layer_step"] = 1e3 * extra_s / result["spilled"]["attention_layers"]
     print(json.dumps({"host_ms_per_layer_step": result["host_ms_per_layer_step"]}), flush=True)
