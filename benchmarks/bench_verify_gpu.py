@@ -18,11 +18,11 @@ rows are identical. `--dims tiny --layers 4` smoke-tests it on a CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +48,7 @@ def timed_forward(model, state, ids: list[int]) -> tuple[float, object]:
     return seconds, logits
 
 
-@contextmanager
+@contextlib.contextmanager
 def one_row_products():
     """Inside: MLX's own few-row products, unpadded (not row-exact on a GPU)."""
     from qwen38_backend.kernels import rows_matmul
@@ -68,14 +68,13 @@ def one_row_products():
 
 
 def clocked(decode, **options) -> dict:
-    """One decode under a WaitClock: per forward, the waits in mx.eval (a round's read-back;
-    a plain step waits in .item(), counted in other_ms), hand-overs and the rest."""
-    with WaitClock() as clock:
-        t = time.perf_counter()
-        tokens, stats, _ = decode(**options)
-        wall = time.perf_counter() - t
-    forwards = stats.forwards or len(tokens)  # plain decoding counts no forwards
-    return {"forwards": forwards, **clock.split(wall, forwards)}
+    """One decode with a WaitClock from its first token on (the prompt's prefill is not
+    counted): per forward, the waits in mx.eval (a round's read-back; a plain step waits in
+    .item(), counted in other_ms), hand-overs and the rest."""
+    clock = WaitClock()
+    tokens, stats, speed = decode(clock=clock, **options)
+    forwards = stats.forwards or len(tokens) - 1  # plain decoding counts no forwards
+    return {"forwards": forwards, **clock.split((len(tokens) - 1) / speed, forwards)}
 
 
 def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
@@ -86,14 +85,16 @@ def end_to_end(model, ids: list[int], args, vocab: int) -> dict:
     --profile-out: cProfile of one more drafted run at the first p and the last k."""
     from qwen38_backend import drafts
 
-    def decode(**options) -> tuple[list[int], object, float]:
+    def decode(clock=None, **options) -> tuple[list[int], object, float]:
         """Tokens, stats, and tok/s from the first token to the last (the prefill's tail and
-        the first token's latency are not decode)."""
+        the first token's latency are not decode; nor are they in `clock`'s times)."""
         stream = model.generate_tokens(ids, max_tokens=args.e2e, stop_token_ids=[], **options)
         tokens = [next(stream)]
-        t = time.perf_counter()
-        tokens += list(stream)
-        return tokens, stream.stats, (len(tokens) - 1) / (time.perf_counter() - t)
+        with clock or contextlib.nullcontext():
+            t = time.perf_counter()
+            tokens += list(stream)
+            seconds = time.perf_counter() - t
+        return tokens, stream.stats, (len(tokens) - 1) / seconds
 
     def rate(**options) -> tuple[float, object, list[int]]:
         runs = [decode(**options) for _ in range(args.e2e_runs)]
