@@ -34,6 +34,9 @@ KV_CHOICES = [
     {},
     {"kv_paged": "on", "kv_page_tokens": 4, "kv_topk": 4096},
     {"kv_paged": "auto", "kv_page_tokens": 8, "kv_topk": 1024},
+    # a pool of 4 pages per layer: longer prompts spill to disk (and fetch back, rewind and
+    # save state files across spilled pages)
+    {"kv_paged": "on", "kv_page_tokens": 4, "kv_topk": 4096, "kv_pool_tokens": 16},
 ]
 # Drafting must not change a stream either: auto is the MTP head where the model has one
 # (tiny qwen3_5: random weights, so mostly rejected rounds and rollbacks), n-gram drafts for all.
