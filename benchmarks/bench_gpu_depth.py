@@ -117,6 +117,13 @@ def main() -> None:
         help="Quest decode without its kernels: page keys by MLX ops "
         "(QWEN38_QUEST_KERNEL=off) and the selected rows gathered before attention",
     )
+    ap.add_argument(
+        "--churn",
+        type=float,
+        default=None,
+        help="Quest decode: pages of a selection replaced per step (profile_spill_gpu."
+        "WanderingSelection; default: Quest's own selection)",
+    )
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -128,6 +135,10 @@ def main() -> None:
 
     if args.layers_ahead is not None:
         state_module.PREFILL_LAYERS_AHEAD = args.layers_ahead
+    if args.churn is not None:
+        from profile_spill_gpu import WanderingSelection
+
+        WanderingSelection(args.churn).install()
     if args.quest_ops:
         os.environ["QWEN38_QUEST_KERNEL"] = "off"
         one_token.READ_PAGES_IN_PLACE = False
@@ -146,6 +157,7 @@ def main() -> None:
         "budget": args.budget,
         "prefill_layers_ahead": state_module.PREFILL_LAYERS_AHEAD,
         "quest_kernels": not args.quest_ops,
+        "churn": args.churn,
         "settings": settings(),
         "lengths": {},
     }

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import decode_times, prompt, random_model  # noqa: E402
@@ -66,6 +68,51 @@ def clocked_runs(model, state, logits, args, n_attn: int) -> dict:
     return out
 
 
+class WanderingSelection:
+    """--churn: each Quest decode step's selection replaced by one of the same size that
+    keeps all but `churn` of its pages (a fraction: that many on average), the new ones drawn
+    from the whole context, with the sinks and the recent window always in (Quest forces
+    them). Random weights change most of a selection every step (~28% of it per step at
+    262K), real text far less (the demo: 1.5%, benchmarks/spill_fetch_rate.py); this sets
+    the churn, the same for the resident and the spilled state. The real selection is still
+    computed (the device does the same work) and its result dropped."""
+
+    def __init__(self, churn: float, seed: int = 0):
+        self.churn = churn
+        self.rng = np.random.default_rng(seed)
+        self.kept: dict[int, set[int]] = {}
+
+    def install(self) -> None:
+        import mlx.core as mx
+
+        from qwen38_backend.kv.paged import PagedKV
+
+        real, wander = PagedKV.select, self
+
+        def select(store, q, n_sel):
+            pages = real(store, q, n_sel)
+            chosen = mx.array(wander.pages(store, n_sel), dtype=mx.int32)
+            return mx.broadcast_to(chosen[None], pages.shape) + pages[:, :1] * 0
+
+        PagedKV.select = select
+
+    def pages(self, store, n_sel: int) -> list[int]:
+        n_pages = len(store.table)
+        forced = set(range(min(store.sink_pages, n_pages)))
+        forced |= set(range(max(n_pages - 1 - store.recent_pages, 0), n_pages))
+        free = n_sel - len(forced)
+        kept = {p for p in self.kept.get(id(store), ()) if p < n_pages and p not in forced}
+        drop = int(self.churn) + (self.rng.random() < self.churn % 1)
+        if drop and kept:
+            kept -= set(self.rng.choice(sorted(kept), min(drop, len(kept)), replace=False))
+        while len(kept) < free:
+            p = int(self.rng.integers(n_pages))
+            if p not in forced:
+                kept.add(p)
+        self.kept[id(store)] = kept
+        return sorted(forced | kept)
+
+
 def attention_layers(state) -> list:
     return [layer for layer in state.layers if hasattr(layer, "budget_pages")]
 
@@ -97,10 +144,20 @@ def main() -> None:
         default=None,
         help="comma list of QWEN38_EAGER_LAYERS strides: one more clocked spilled run each",
     )
+    ap.add_argument(
+        "--churn",
+        type=float,
+        default=None,
+        help="pages of a selection replaced per step (WanderingSelection; default: Quest's "
+        "own selection, which random weights change every step)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import mlx.core as mx
+
+    if args.churn is not None:
+        WanderingSelection(args.churn).install()
 
     model, config, _ = random_model(args.dims, args.layers, args.dtype)
     vocab = config["text_config"]["vocab_size"]
