@@ -285,67 +285,26 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         raise InvalidOptionError(f"unknown memory plan option(s): {', '.join(sorted(unknown))}")
     if not isinstance(context, int) or context <= 0:
         raise InvalidOptionError(f"context must be a positive number of tokens, got {context!r}")
-
-    net = getattr(config_or_model, "net", None)
-    model_dtype = getattr(config_or_model, "dtype", None)
-    if isinstance(config_or_model, dict):
-        config = config_or_model
-    elif net is not None:
-        config = dict(getattr(getattr(config_or_model, "weights", None), "config", {}) or {})
-    else:
-        net = config_or_model
-        config = {}
-    family = model_family(config) if config else _family_of(net)
-    tc = text_config(config) if config else {}
-    file_dtype = tc.get("dtype") or tc.get("torch_dtype") or config.get("torch_dtype")
-    default = _dtype_name(model_dtype, "") if model_dtype is not None else None
-    if not default:
-        default = _dtype_name(file_dtype, "bfloat16") if file_dtype in _BYTES else "bfloat16"
-    dtype = _dtype_name(options.get("dtype"), default)
-    wdtype = _dtype_name(options.get("weights_dtype"), dtype)
-    kvdtype = _dtype_name(options.get("kv_dtype"), dtype)
-    act = _BYTES[dtype]
-    kvb = _BYTES[kvdtype]
-
-    ranks = options.get("ranks") or getattr(config_or_model, "world_size", 1)
-    if not isinstance(ranks, int) or ranks < 1:
-        raise InvalidOptionError(f"ranks must be a positive number of ranks, got {ranks!r}")
-    if net is None:
-        from .models import build_model
-
-        net = build_model(config)  # lazy: parameters are not allocated until evaluated
-        built = True
-        if ranks > 1:  # cut as load(group=) would; still lazy, and refused as it would be
-            net.shard(RankShare(0, ranks))
-    else:
-        built = False
-        if ranks != getattr(config_or_model, "world_size", 1):
-            raise InvalidOptionError(
-                f"ranks={ranks}: this model is loaded on "
-                f"{getattr(config_or_model, 'world_size', 1)} rank(s); plan from its config"
-            )
-    cfg = net.config
-    plan = MemoryPlan(family=family, context=context, dtype=dtype, ranks=ranks)
+    what = _Subject.of(config_or_model, options)
+    plan = MemoryPlan(family=what.family, context=context, dtype=what.dtype, ranks=what.ranks)
     add = plan.components.append
 
-    # --- weights
-    weight_bytes, table_bytes = _weight_bytes(net, config, wdtype if built else None)
+    weight_bytes, table_bytes = _weight_bytes(
+        what.net, what.config, what.wdtype if what.built else None
+    )
     add(
-        Component("weights", weight_bytes, "ram", "parameters" + (f" in {wdtype}" if built else ""))
+        Component(
+            "weights",
+            weight_bytes,
+            "ram",
+            "parameters" + (f" in {what.wdtype}" if what.built else ""),
+        )
     )
     if table_bytes:
         add(Component("ngram_table", table_bytes, "mmap", "PLE n-gram table, memory-mapped"))
 
-    # --- layer inventory
-    n_layers = cfg.num_hidden_layers
-    types = list(getattr(cfg, "layer_types", ["full_attention"] * n_layers))
-    linear = [t == "linear_attention" for t in types]
-    n_attn = sum(1 for x in linear if not x)
-    n_lin = n_layers - n_attn
-    hkv, hd, hq = cfg.num_key_value_heads // ranks, cfg.head_dim, cfg.num_attention_heads // ranks
-    per_token = n_attn * hkv * hd * 2 * kvb
-    plan.kv_token_bytes = per_token
-
+    dims = _Dims.of(what)
+    plan.kv_token_bytes = dims.per_token
     chunk = int(
         options.get("prefill_chunk")
         or getattr(config_or_model, "prefill_chunk", None)  # a loaded Model's own
@@ -354,10 +313,138 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     schedule = _schedule(context, chunk, prompt_tokens)
     choice = choose_kv(**{k: options[k] for k in KV_OPTION_KEYS if k in options})
     plan.kv = choice
-    layer_token = hkv * hd * 2 * kvb  # K+V of one token in one attention layer
-    idx_dim = getattr(cfg, "indexer_head_dim", 0)
-    ratio = getattr(cfg, "indexer_compress_ratio", 0)
-    qsa = bool(idx_dim and ratio and family == "qwen4_exp")
+    available = None
+    if choice.paged and choice.pool_pages() is None:
+        # the factory's auto pool: the same rule on the memory available now (less the
+        # weights when they are not loaded yet: a plan from a config)
+        available = options.get("available")
+        if available is None:
+            available = available_memory()
+        if available is not None and what.built:
+            available = max(available - weight_bytes, 0)
+    cfg = what.net.config
+    plan.components += _kv_components(plan, dims, choice, schedule, available)
+    plan.components += _state_components(cfg, dims, schedule, context, chunk, options)
+    add(_scratch(cfg, dims, context, chunk, options.get("fused_attention")))
+    return plan
+
+
+@dataclass
+class _Subject:
+    """What a plan is for: the network (built lazily from a config when not given), its
+    config and family, the dtypes and the ranks it is split over."""
+
+    net: Any
+    config: dict
+    built: bool
+    family: str
+    dtype: str
+    wdtype: str
+    kvdtype: str
+    ranks: int
+
+    @classmethod
+    def of(cls, config_or_model: Any, options: dict) -> _Subject:
+        net = getattr(config_or_model, "net", None)
+        model_dtype = getattr(config_or_model, "dtype", None)
+        if isinstance(config_or_model, dict):
+            config = config_or_model
+        elif net is not None:
+            config = dict(getattr(getattr(config_or_model, "weights", None), "config", {}) or {})
+        else:
+            net = config_or_model
+            config = {}
+        family = model_family(config) if config else _family_of(net)
+        tc = text_config(config) if config else {}
+        file_dtype = tc.get("dtype") or tc.get("torch_dtype") or config.get("torch_dtype")
+        default = _dtype_name(model_dtype, "") if model_dtype is not None else None
+        if not default:
+            default = _dtype_name(file_dtype, "bfloat16") if file_dtype in _BYTES else "bfloat16"
+        dtype = _dtype_name(options.get("dtype"), default)
+        ranks = options.get("ranks") or getattr(config_or_model, "world_size", 1)
+        if not isinstance(ranks, int) or ranks < 1:
+            raise InvalidOptionError(f"ranks must be a positive number of ranks, got {ranks!r}")
+        built = net is None
+        if built:
+            from .models import build_model
+
+            net = build_model(config)  # lazy: parameters are not allocated until evaluated
+            if ranks > 1:  # cut as load(group=) would; still lazy, and refused as it would be
+                net.shard(RankShare(0, ranks))
+        elif ranks != getattr(config_or_model, "world_size", 1):
+            raise InvalidOptionError(
+                f"ranks={ranks}: this model is loaded on "
+                f"{getattr(config_or_model, 'world_size', 1)} rank(s); plan from its config"
+            )
+        return cls(
+            net=net,
+            config=config,
+            built=built,
+            family=family,
+            dtype=dtype,
+            wdtype=_dtype_name(options.get("weights_dtype"), dtype),
+            kvdtype=_dtype_name(options.get("kv_dtype"), dtype),
+            ranks=ranks,
+        )
+
+
+@dataclass
+class _Dims:
+    """One rank's layer inventory and per-token sizes (bytes)."""
+
+    n_attn: int  # attention layers
+    n_lin: int  # Gated DeltaNet layers
+    hkv: int
+    hd: int
+    hq: int
+    act: int  # bytes of an activation / state element
+    kvb: int  # bytes of a KV element
+    qsa: bool  # QSA selects (Flash-Next), not Quest
+    ratio: int  # QSA's pooling ratio
+    idx_dim: int  # QSA indexer key width
+    indexer_budget: int  # QSA: tokens a step selects
+    ranks: int
+
+    @classmethod
+    def of(cls, what: _Subject) -> _Dims:
+        cfg = what.net.config
+        n_layers = cfg.num_hidden_layers
+        types = list(getattr(cfg, "layer_types", ["full_attention"] * n_layers))
+        n_attn = sum(1 for t in types if t != "linear_attention")
+        idx_dim = getattr(cfg, "indexer_head_dim", 0)
+        ratio = getattr(cfg, "indexer_compress_ratio", 0)
+        return cls(
+            n_attn=n_attn,
+            n_lin=n_layers - n_attn,
+            hkv=cfg.num_key_value_heads // what.ranks,
+            hd=cfg.head_dim,
+            hq=cfg.num_attention_heads // what.ranks,
+            act=_BYTES[what.dtype],
+            kvb=_BYTES[what.kvdtype],
+            qsa=bool(idx_dim and ratio and what.family == "qwen4_exp"),
+            ratio=ratio,
+            idx_dim=idx_dim,
+            indexer_budget=getattr(cfg, "indexer_budget", 0),
+            ranks=what.ranks,
+        )
+
+    @property
+    def layer_token(self) -> int:
+        """K+V of one token in one attention layer."""
+        return self.hkv * self.hd * 2 * self.kvb
+
+    @property
+    def per_token(self) -> int:
+        """K+V of one token over every attention layer."""
+        return self.n_attn * self.layer_token
+
+
+def _kv_components(
+    plan: MemoryPlan, dims: _Dims, choice: KVChoice, schedule: list[int], available: int | None
+) -> list[Component]:
+    """kv, kv_growth, and with a paged store kv_spill (a pool smaller than the context) and
+    quest_meta; sets the plan's pool, selection and spill directory."""
+    context, per_token = plan.context, dims.per_token
     spill_pages = 0
     if choice.paged:
         P = choice.page_tokens
@@ -365,13 +452,6 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         if max_pages is not None:
             pool_how = f"pool kv_pool_tokens={choice.pool_tokens:,}"
         else:
-            # The factory's auto pool: the same rule on the memory available now (less the
-            # weights when they are not loaded yet: a plan from a config).
-            available = options.get("available")
-            if available is None:
-                available = available_memory()
-            if available is not None and built:
-                available = max(available - weight_bytes, 0)
             tokens = auto_pool_tokens(available, per_token)
             if tokens is not None:
                 max_pages = max(_ceil(tokens, P), AUTO_MIN_PAGES)
@@ -387,89 +467,97 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
         total_pages = _ceil(context, P)
         if max_pages is not None and total_pages > max_pages:
             spill_pages = context // P  # every sealed page may be written once
-        # A sparse step needs its selection resident at once: forced pages plus the top-k,
-        # one set shared by the KV heads (PagedKV(shared=False) would need each head's own).
-        budget, sink_p = _ceil(choice.budget, P), _ceil(choice.sinks, P)
-        recent_p = _ceil(choice.recent, P)
-        sparse_from = 4 * budget * P if choice.mode == "auto" else 0
-        if qsa:
-            # the indexer's blocks lie in whole pages: a step pins at most one page per
-            # selected block plus the tail's, and the open page is written beside them
-            n_blocks = cfg.indexer_budget // ratio
-            if context // ratio > n_blocks:
-                plan.selection_pages = min(total_pages, n_blocks + 2)
-        elif context >= sparse_from:
-            _, n_forced = forced_pages(total_pages, sink_p, recent_p)
-            n_sel = min(total_pages, max(budget, n_forced))
-            if n_sel < total_pages:
-                plan.selection_pages = n_sel
+        plan.selection_pages = _selection_pages(plan, dims, choice, total_pages)
     else:
         rows, old_rows = _contiguous_rows(schedule, context)
         how = f"contiguous, {rows} rows (steps of {CONTIGUOUS_STEP})"
-    add(
+    out = [
         Component(
             "kv",
             rows * per_token,
             "ram",
-            f"{n_attn} attention layers x {hkv} kv heads x {hd} x 2 (K,V) x {kvb} B = "
-            f"{per_token:,} B/token; {how}",
-        )
-    )
-    add(
+            f"{dims.n_attn} attention layers x {dims.hkv} kv heads x {dims.hd} x 2 (K,V) x "
+            f"{dims.kvb} B = {per_token:,} B/token; {how}",
+        ),
         Component(
             "kv_growth", old_rows * per_token, "ram", "old buffer alive during the last growth"
-        )
-    )
+        ),
+    ]
     if spill_pages:
         plan.spill_dir = choice.spill_dir or spill_root()
-        add(
+        out.append(
             Component(
                 "kv_spill",
                 spill_pages * choice.page_tokens * per_token,
                 "disk",
-                f"up to {spill_pages:,} sealed pages x {n_attn} layers x "
-                f"{choice.page_tokens * layer_token:,} B in {plan.spill_dir}",
+                f"up to {spill_pages:,} sealed pages x {dims.n_attn} layers x "
+                f"{choice.page_tokens * dims.layer_token:,} B in {plan.spill_dir}",
             )
         )
-    if choice.paged and not qsa:
+    if choice.paged and not dims.qsa:
         sealed = context // choice.page_tokens
-        add(
+        out.append(
             Component(
                 "quest_meta",
-                sealed * n_attn * hkv * hd * 2 * META_DTYPE.size,
+                sealed * dims.n_attn * dims.hkv * dims.hd * 2 * META_DTYPE.size,
                 "ram",
-                f"{sealed} sealed pages x {n_attn} layers x {hkv} heads x {hd} x (min,max) "
-                f"{META_DTYPE}",
+                f"{sealed} sealed pages x {dims.n_attn} layers x {dims.hkv} heads x {dims.hd} x "
+                f"(min,max) {META_DTYPE}",
             )
         )
+    return out
 
-    # --- recurrent state
-    if n_lin:
-        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        hv //= ranks
-        conv_dim = 2 * (cfg.linear_num_key_heads // ranks) * dk + hv * dv
+
+def _selection_pages(plan: MemoryPlan, dims: _Dims, choice: KVChoice, total_pages: int) -> int:
+    """Pages a sparse decode step needs resident at once (0: it reads every page). Quest:
+    forced pages plus the top-k, one set shared by the KV heads (PagedKV(shared=False) would
+    need each head's own); QSA: the indexer's blocks lie in whole pages, so at most one page
+    per selected block plus the tail's, and the open page is written beside them."""
+    P = choice.page_tokens
+    if dims.qsa:
+        n_blocks = dims.indexer_budget // dims.ratio
+        return min(total_pages, n_blocks + 2) if plan.context // dims.ratio > n_blocks else 0
+    budget, sinks, recent = (_ceil(n, P) for n in (choice.budget, choice.sinks, choice.recent))
+    sparse_from = 4 * budget * P if choice.mode == "auto" else 0
+    if plan.context < sparse_from:
+        return 0
+    _, n_forced = forced_pages(total_pages, sinks, recent)
+    n_sel = min(total_pages, max(budget, n_forced))
+    return n_sel if n_sel < total_pages else 0
+
+
+def _state_components(
+    cfg: Any, dims: _Dims, schedule: list[int], context: int, chunk: int, options: dict
+) -> list[Component]:
+    """recurrent (Gated DeltaNet), indexer + indexer_growth + qsa_scratch (QSA), ple_state,
+    mtp_reserve: what a sequence holds besides its KV."""
+    out = []
+    act = dims.act
+    if dims.n_lin:
+        hv, dk, dv = _linear_dims(cfg, dims.ranks)
+        conv_dim = _conv_dim(cfg, dims.ranks)
         k = cfg.linear_conv_kernel_dim
-        rec = n_lin * hv * dk * dv * 4
-        conv = n_lin * (k - 1) * conv_dim * act
-        add(
+        rec = dims.n_lin * hv * dk * dv * 4
+        conv = dims.n_lin * (k - 1) * conv_dim * act
+        out.append(
             Component(
                 "recurrent",
                 rec + conv,
                 "ram",
-                f"{n_lin} Gated DeltaNet layers x {hv} heads x {dk} x {dv} fp32 = {rec:,} B "
-                f"+ conv {n_lin} x {k - 1} x {conv_dim} x {act} B = {conv:,} B",
+                f"{dims.n_lin} Gated DeltaNet layers x {hv} heads x {dk} x {dv} fp32 = {rec:,} B "
+                f"+ conv {dims.n_lin} x {k - 1} x {conv_dim} x {act} B = {conv:,} B",
             )
         )
-
-    # --- QSA indexer keys and selection scratch
-    if qsa:
+    raw_rows = pooled_rows = 0
+    if dims.qsa:
+        idx_dim, n_attn = dims.idx_dim, dims.n_attn
         raw_rows, raw_old = _contiguous_rows(schedule, context)
-        blocks = _block_schedule(schedule, ratio)
-        pooled_rows, pooled_old = _contiguous_rows(blocks, context // ratio)
+        blocks = _block_schedule(schedule, dims.ratio)
+        pooled_rows, pooled_old = _contiguous_rows(blocks, context // dims.ratio)
         raw = n_attn * raw_rows * idx_dim * act
         pooled = n_attn * pooled_rows * idx_dim * act
         growth = max(raw_old, pooled_old) * idx_dim * act  # one layer's buffer at a time
-        add(
+        out.append(
             Component(
                 "indexer",
                 raw + pooled,
@@ -478,48 +566,51 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
                 f"{n_attn} x {pooled_rows} x {idx_dim} x {act} B = {pooled:,} B",
             )
         )
-        add(Component("indexer_growth", growth, "ram", "old key buffer alive during a growth"))
-        add(_qsa_scratch(cfg, context, min(chunk, context), act, kvb))
-
-    # --- PLE state
+        out.append(
+            Component("indexer_growth", growth, "ram", "old key buffer alive during a growth")
+        )
+        out.append(_qsa_scratch(cfg, context, min(chunk, context), act, dims.kvb))
     ple_ids = getattr(cfg, "ple_layer_ids", ())
     if ple_ids:
         width = cfg.hc_count * cfg.hidden_size
         conv_len = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
         ple = len(ple_ids) * (conv_len * width * 4 + (cfg.ngram_size - 1) * 8)
-        add(Component("ple_state", ple, "ram", f"{conv_len} conv rows x {width} fp32 + ids"))
-
-    # --- MTP reserve
+        out.append(Component("ple_state", ple, "ram", f"{conv_len} conv rows x {width} fp32 + ids"))
     n_mtp = int(getattr(cfg, "mtp_num_hidden_layers", 0) or 0)
     mtp_on = options.get("mtp")
     mtp_on = n_mtp > 0 if mtp_on is None else bool(mtp_on) and n_mtp > 0
     if mtp_on:
         # its own contiguous KV; the head is whole on every rank
-        mtp_kv = n_mtp * layer_token * ranks * _contiguous_rows(schedule)[0]
-        mtp_idx = 0
-        if qsa:
-            mtp_idx = n_mtp * (raw_rows + pooled_rows) * idx_dim * act
-        add(Component("mtp_reserve", mtp_kv + mtp_idx, "ram", f"{n_mtp} MTP layer(s): own KV"))
+        mtp_kv = n_mtp * dims.layer_token * dims.ranks * _contiguous_rows(schedule)[0]
+        mtp_idx = n_mtp * (raw_rows + pooled_rows) * dims.idx_dim * act if dims.qsa else 0
+        out.append(
+            Component("mtp_reserve", mtp_kv + mtp_idx, "ram", f"{n_mtp} MTP layer(s): own KV")
+        )
+    return out
 
-    # --- scratch
-    fused = options.get("fused_attention")
+
+def _scratch(cfg: Any, dims: _Dims, context: int, chunk: int, fused: bool | None) -> Component:
+    """One prefill chunk's widest activations, its attention scores and the logits."""
     if fused is None:
         fused = mx.default_device() != mx.cpu
     t = min(chunk, context)
+    hq, hd = dims.hq, dims.hd
     widths = [
         cfg.hidden_size * getattr(cfg, "hc_count", 1),
         2 * getattr(cfg, "intermediate_size", 0),
         hq * hd * 2,
     ]
-    if n_lin:
-        widths.append(conv_dim + 2 * hv * dv)
+    if dims.n_lin:
+        hv, _, dv = _linear_dims(cfg, dims.ranks)
+        widths.append(_conv_dim(cfg, dims.ranks) + 2 * hv * dv)
     if getattr(cfg, "num_experts", 0):
         widths.append(2 * cfg.moe_intermediate_size * cfg.num_experts_per_tok)
     activ = t * (cfg.hidden_size + max(widths)) * 4 * 2  # input and output of the widest op
-    if n_lin:  # a Gated DeltaNet block's chunked form holds more (models/gated_delta.py)
+    if dims.n_lin:  # a Gated DeltaNet block's chunked form holds more (models/gated_delta.py)
+        hv, _, dv = _linear_dims(cfg, dims.ranks)
         activ = max(activ, t * PREFILL_ROWS_LIVE * hv * dv * 4)
     # QSA layers attend densely only while the context is within the budget (+ a tail)
-    attn_ctx = min(context, cfg.indexer_budget + ratio + t) if qsa else context
+    attn_ctx = min(context, dims.indexer_budget + dims.ratio + t) if dims.qsa else context
     one_shot = 0 if fused else min(t * hq * attn_ctx * 4, ONE_SHOT_BYTES)
     if attn_ctx - t <= BLOCK_TOKENS or t * hq * attn_ctx * 4 <= ONE_SHOT_BYTES:
         one_shot = 0 if fused else t * hq * attn_ctx * 4
@@ -529,16 +620,25 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     scores = max(one_shot, walk)
     how_scores = "blocked walk" if walk else "fused" if fused else "one-shot"
     logits = cfg.vocab_size * 4
-    add(
-        Component(
-            "scratch",
-            activ + scores + logits,
-            "ram",
-            f"{t}-token chunk activations {activ:,} B + attention scores {scores:,} B "
-            f"({how_scores}) + logits {logits:,} B",
-        )
+    return Component(
+        "scratch",
+        activ + scores + logits,
+        "ram",
+        f"{t}-token chunk activations {activ:,} B + attention scores {scores:,} B "
+        f"({how_scores}) + logits {logits:,} B",
     )
-    return plan
+
+
+def _linear_dims(cfg: Any, ranks: int) -> tuple[int, int, int]:
+    """(value heads on one rank, key dim, value dim) of a Gated DeltaNet layer."""
+    hv = cfg.linear_num_value_heads // ranks
+    return hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+
+def _conv_dim(cfg: Any, ranks: int) -> int:
+    """Channels of a Gated DeltaNet layer's conv on one rank (q, k and v)."""
+    hv, dk, dv = _linear_dims(cfg, ranks)
+    return 2 * (cfg.linear_num_key_heads // ranks) * dk + hv * dv
 
 
 class RankShare:
