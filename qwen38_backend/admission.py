@@ -766,10 +766,13 @@ def admit(
     available: int | None = None,
     include_weights: bool = True,
     disk_available: int | None = None,
+    disk_held: int = 0,
 ) -> None:
     """Raise AdmissionError when the plan cannot run: resident bytes over `available`
     (default: what the OS reports), the spill file over the free space of its directory
-    (default: measured), or a KV pool smaller than one sparse decode step's selection."""
+    (default: measured, plus `disk_held`: what the run's own live state already holds
+    there, reused or freed before it spills), or a KV pool smaller than one sparse decode
+    step's selection."""
     if plan.pool_pages is not None and plan.selection_pages > plan.pool_pages:
         P = plan.page_tokens
         raise AdmissionError(
@@ -783,6 +786,7 @@ def admit(
         free = disk_available
         if free is None and plan.spill_dir is not None:
             free = free_disk(plan.spill_dir)
+            free = None if free is None else free + disk_held
         if free is not None and plan.disk > free:
             raise AdmissionError(
                 f"a {plan.context:,}-token context spills up to {plan.disk:,} bytes of KV to "

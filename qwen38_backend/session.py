@@ -157,6 +157,11 @@ class Session:
             try:
                 snap = store.load(hit, self.model)
                 check_compatible(snap, fresh)
+                # The live state is replaced: it goes before the restore fills the new one,
+                # so the two never hold memory and spill file at once (admission counted
+                # the live state's bytes as free, Session._admit).
+                self.close()
+                live = 0
                 fresh.restore(snap)
                 if fresh.offset > hit.length:
                     fresh.truncate(hit.length)
@@ -182,6 +187,9 @@ class Session:
         plan = memory_plan(self.model, context, prompt_tokens=len(ids), **kv)
         self.last_plan = plan
         prepare_spill_dir(plan)
+        # the live state is reused or dropped first (_prepare_state): its spill file's bytes
+        # count as free, as its memory does below
+        held = self.state.spill_bytes(plan.spill_dir) if self.state and plan.spill_dir else 0
         if self.memory_limit is not None:
             available = int(self.memory_limit)
         else:
@@ -191,7 +199,7 @@ class Session:
             # the live state is replaced or reused: its bytes count as available
             available += self.state.nbytes() if self.state is not None else 0
         # weights are already resident (loaded), so only per-sequence memory is new
-        admit(plan, available, include_weights=False)
+        admit(plan, available, include_weights=False, disk_held=held)
 
     def close(self) -> None:
         """Drop the live state and its spill file (the prefix store's state files stay)."""

@@ -12,6 +12,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -236,6 +237,19 @@ class SequenceState:
                 if callable(probe) and probe():
                     return True
         return False
+
+    def spill_bytes(self, directory: Path | None = None) -> int:
+        """What this sequence's spill file takes on the disk of `directory` (every disk when
+        None): a follow-up that keeps the state keeps those bytes, one that replaces it frees
+        them, so admission counts them as free either way (Session._admit)."""
+        files = {}
+        for layer in self.layers:
+            for store in (layer, getattr(layer, "kv", None)):
+                get = getattr(store, "spill_file", None)
+                spill = get() if callable(get) else None
+                if spill is not None:
+                    files[id(spill)] = spill
+        return sum(spill.disk_bytes(directory) for spill in files.values())
 
     def close(self) -> None:
         """Release what outlives the arrays: the spill file of a paged store (also nested in

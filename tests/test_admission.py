@@ -288,3 +288,67 @@ def test_plan_of_a_model_uses_its_own_prefill_chunk(dense, monkeypatch):
     assert default_prefill_chunk() == 128  # this CPU
     monkeypatch.setenv("QWEN38_PREFILL_CHUNK", "300")
     assert default_prefill_chunk() == 300
+
+
+def test_a_live_conversations_own_spill_file_counts_as_free(dense, monkeypatch, tmp_path):
+    """A follow-up turn reuses the live state and its spill file: the bytes that file already
+    holds are part of the plan's spill, not taken from the disk twice (as the live state's
+    RAM is not). On a disk with room for exactly the follow-up's whole spill, the follow-up
+    runs; a new conversation on that disk, with the first one's file still there, is refused."""
+    import qwen38_backend.admission as admission
+    from qwen38_backend.prefix_store import PrefixStore
+
+    spill = tmp_path / "spill"
+    kv = {"kv_pool_tokens": 64, "kv_page_tokens": 8, "kv_spill_dir": str(spill)}
+    first = list(range(10, 400))
+    follow = first + list(range(400, 440))
+    later = admission.memory_plan(dense, len(follow) + 8, prompt_tokens=len(follow), **kv)
+    disk = later.disk  # the follow-up's whole spill, and not a byte more
+
+    def free(directory):
+        # what the files take on disk: the spill file is sparse (extents of pages are
+        # placed ahead, written as pages come)
+        return disk - sum(f.stat().st_blocks * 512 for f in spill.glob("*"))
+
+    monkeypatch.setattr(admission, "free_disk", free)
+    session = dense.session(cache=PrefixStore(tmp_path / "store"), **kv)
+    list(session.generate(first, max_tokens=8, stop_token_ids=[]))
+    assert free(spill) < disk  # the first turn spilled
+    assert session.state.offset >= len(first)
+    list(session.generate(follow, max_tokens=8, stop_token_ids=[]))
+    assert session.last_stats.cached_tokens >= len(first)  # the live state went on
+    other = dense.session(cache=False, **kv)
+    with pytest.raises(AdmissionError, match="short by"):
+        next(other.generate(list(range(600, 1000)), max_tokens=8))
+    session.close()
+
+
+def test_a_replaced_live_state_goes_before_a_restore_fills_the_new_one(
+    dense, tmp_path, monkeypatch
+):
+    """Switching conversations in one session restores the other one's state file: the live
+    state (memory and spill file) is dropped before that restore spills, so the two are never
+    held at once (admission counted the live state's bytes as free)."""
+    from qwen38_backend.prefix_store import PrefixStore
+    from qwen38_backend.state import SequenceState
+
+    kv = {"kv_pool_tokens": 64, "kv_page_tokens": 8, "kv_spill_dir": str(tmp_path / "spill")}
+    session = dense.session(cache=PrefixStore(tmp_path / "store"), **kv)
+    a, b = list(range(10, 300)), list(range(300, 590))
+    for ids in (a, b):
+        list(session.generate(ids, max_tokens=4, stop_token_ids=[]))
+    live = session.state.spill_bytes()
+    old_file = next(s.spill_file().path for s in session.state.layers if hasattr(s, "spill_file"))
+    assert live > 0 and old_file.exists()
+    seen = []
+    restore = SequenceState.restore
+
+    def observed(state, snap):
+        seen.append(old_file.exists())
+        return restore(state, snap)
+
+    monkeypatch.setattr(SequenceState, "restore", observed)
+    list(session.generate(a + [7, 8, 9], max_tokens=4, stop_token_ids=[]))
+    assert seen == [False]  # restored once, after the live state's file was removed
+    assert session.last_stats.cached_tokens >= len(a)
+    session.close()

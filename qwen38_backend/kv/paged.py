@@ -696,6 +696,11 @@ class PagedKV:
             part = self._span(cut * P, length)[0].astype(mx.float32)
             self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)
 
+    def spill_file(self) -> SpillFile | None:
+        """The sequence's spill file (shared by its layers), if it has a spill tier."""
+        region = self.table.spill
+        return region.owner if region is not None else None
+
     def close(self) -> None:
         """Remove the sequence's spill file (every layer's; the first call does it)."""
         region = self.table.spill

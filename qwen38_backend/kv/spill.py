@@ -228,6 +228,21 @@ class _SpillIO:
             self.reader = ThreadPoolExecutor(1, thread_name_prefix="qwen38-kv-read")
         return self.reader.submit(fn, *args)
 
+    def disk_bytes(self, directory: Path | None = None) -> int:
+        """What the file takes on its disk (it is sparse: extents are placed ahead of their
+        pages); 0 without a file or when `directory` lies on another file system."""
+        if self.fd < 0:
+            return 0
+        st = os.fstat(self.fd)
+        if directory is not None:
+            try:
+                if os.stat(directory).st_dev != st.st_dev:
+                    return 0
+            except OSError:
+                return 0
+        blocks = getattr(st, "st_blocks", None)  # not on Windows
+        return st.st_size if blocks is None else blocks * 512
+
     # ----- end -------------------------------------------------------------------------------
     def close(self) -> None:
         with self.cond:
@@ -269,6 +284,10 @@ class SpillFile:
 
     def stats(self) -> dict:
         return dict(self._io.stats)
+
+    def disk_bytes(self, directory: Path | None = None) -> int:
+        """Bytes the file takes on the disk of `directory` (_SpillIO.disk_bytes)."""
+        return self._io.disk_bytes(directory)
 
     def close(self) -> None:
         self._finalizer()
