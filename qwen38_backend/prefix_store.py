@@ -266,7 +266,9 @@ class PrefixStore:
             return entry.snap
         assert hit.path is not None
         try:
-            snap = read_state_file(hit.path, model)
+            # a large file's layers are read as the restore reaches them: a corrupt one is
+            # refused then (deleted, warned about) as one found here would be
+            snap = read_state_file(hit.path, model, on_error=lambda e: self._refuse(hit.path, e))
         except StateFileError as e:
             self._refuse(hit.path, e)
             raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -128,7 +128,7 @@ class StateSnapshot:
     """A consistent copy of a SequenceState at one position."""
 
     tokens: list[int]
-    layers: list[dict[str, mx.array]]
+    layers: Sequence[dict[str, mx.array]]  # a large state file's: read as restore() goes
     extras: dict[str, Any] = field(default_factory=dict)
     kinds: list[str] | None = None  # state_kind() per layer, for compatibility checks
     mtp: dict[str, mx.array] | None = None  # the MTP head's history (None: none kept)

@@ -26,6 +26,7 @@ import json
 import os
 import struct
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -431,12 +432,19 @@ def _kv_options(meta: dict) -> dict[str, Any]:
     return dict(options) if isinstance(options, dict) else {}
 
 
-def read_state_file(path: str | Path, model: Any) -> StateSnapshot:
+def read_state_file(
+    path: str | Path, model: Any, on_error: Callable[[StateFileError], None] | None = None
+) -> StateSnapshot:
     """Read and verify a state file for `model`; returns a snapshot ready for restore().
 
     Refuses (StateFileError, saying which check failed) a file that is truncated, corrupt
     (any tensor's bytes or the header), from another format version, or written by another
     model or compute dtype. Nothing is restored here, so a refusal cannot damage a session.
+    A file of STREAM_BYTES and more (a long context's KV) is not read whole: its layers'
+    tensors are read and verified one layer at a time as restore() reaches them, so a
+    restore holds one layer's tensors at a time (as saving does); a corrupt one then raises
+    StateFileError from inside that restore (into the fresh state it fills), after
+    `on_error(error)` (the prefix store deletes the file).
     """
     path = Path(path)
     try:
@@ -474,49 +482,44 @@ def read_state_file(path: str | Path, model: Any) -> StateSnapshot:
                 f"state file {path} is truncated or padded: {size} bytes, header describes "
                 f"{expected_end}"
             )
-        tensors: dict[str, mx.array] = {}
         for name in names:
             entry, slot = entries[name], table[name]
             begin, end = slot["data_offsets"]
-            n = int(entry["nbytes"])
             if (
-                end - begin != n
+                end - begin != int(entry["nbytes"])
                 or slot["dtype"] != entry["dtype"]
                 or slot["shape"] != entry["shape"]
                 or entry["dtype"] not in _BY_NAME
             ):
                 raise StateFileError(f"state file {path}: tensor {name} header is inconsistent")
-            f.seek(start + begin)
-            data = f.read(n)
-            if len(data) != n:
-                raise StateFileError(f"state file {path} is truncated inside tensor {name}")
-            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise StateFileError(
-                    f"state file {path}: tensor {name} fails its checksum (corrupt data)"
-                )
-            try:
-                tensors[name] = _from_bytes(data, entry["dtype"], entry["shape"])
-            except ValueError as e:
-                raise StateFileError(f"state file {path}: tensor {name}: {e}") from None
-    n_layers = int(meta["n_layers"])
-    layers: list[dict[str, mx.array]] = [{} for _ in range(n_layers)]
+        n_layers = int(meta["n_layers"])
+        by_layer: list[list[str]] = [[] for _ in range(n_layers)]
+        rest = []
+        for name in names:
+            if name.startswith(("extras.", "mtp.")):
+                rest.append(name)
+                continue
+            _, index, _ = name.split(".", 2)
+            if not 0 <= int(index) < n_layers:
+                raise StateFileError(f"state file {path}: tensor {name} names a missing layer")
+            by_layer[int(index)].append(name)
+        tensors = _TensorReader(path, table, entries, start)
+        small = tensors.read(f, rest)
+        layers: Sequence[dict[str, mx.array]]
+        if size < STREAM_BYTES:
+            layers = [_layer_tensors(tensors.read(f, group)) for group in by_layer]
+        else:
+            layers = _LayersOnDisk(tensors, by_layer, on_error)
     extras: dict[str, Any] = dict(meta.get("extras") or {})
-    mtp = {name[4:]: value for name, value in tensors.items() if name.startswith("mtp.")}
+    mtp = {name[4:]: value for name, value in small.items() if name.startswith("mtp.")}
     mtp_kind = meta.get("mtp_kind")
     if bool(mtp) != (mtp_kind is not None):
         raise StateFileError(
             f"state file {path}: its MTP head history is incomplete (header and tensors disagree)"
         )
-    for name, value in tensors.items():
+    for name, value in small.items():
         if name.startswith("extras."):
             extras[name[len("extras.") :]] = value
-            continue
-        if name.startswith("mtp."):
-            continue
-        _, index, key = name.split(".", 2)
-        if not 0 <= int(index) < n_layers:
-            raise StateFileError(f"state file {path}: tensor {name} names a missing layer")
-        layers[int(index)][key] = value
     tokens = [int(t) for t in meta["tokens"]]
     if len(tokens) != int(meta["n_tokens"]):
         raise StateFileError(f"state file {path}: token count disagrees with its header")
@@ -528,6 +531,66 @@ def read_state_file(path: str | Path, model: Any) -> StateSnapshot:
         mtp=mtp or None,
         mtp_kind=mtp_kind,
     )
+
+
+def _layer_tensors(named: dict[str, mx.array]) -> dict[str, mx.array]:
+    """`layers.<i>.<key>` -> `<key>`."""
+    return {name.split(".", 2)[2]: value for name, value in named.items()}
+
+
+@dataclass
+class _TensorReader:
+    """Reads named tensors of a state file whose table was checked, verifying each one's
+    sha256 against the header."""
+
+    path: Path
+    table: dict[str, Any]
+    entries: dict[str, Any]
+    start: int
+
+    def read(self, f, names: list[str]) -> dict[str, mx.array]:
+        out = {}
+        for name in names:
+            entry = self.entries[name]
+            begin = self.table[name]["data_offsets"][0]
+            n = int(entry["nbytes"])
+            f.seek(self.start + begin)
+            data = f.read(n)
+            if len(data) != n:
+                raise StateFileError(f"state file {self.path} is truncated inside tensor {name}")
+            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise StateFileError(
+                    f"state file {self.path}: tensor {name} fails its checksum (corrupt data)"
+                )
+            try:
+                out[name] = _from_bytes(data, entry["dtype"], entry["shape"])
+            except ValueError as e:
+                raise StateFileError(f"state file {self.path}: tensor {name}: {e}") from None
+        return out
+
+
+class _LayersOnDisk(Sequence):
+    """A large state file's layers, each read (and verified) when restore() asks for it."""
+
+    def __init__(self, tensors: _TensorReader, by_layer: list[list[str]], on_error):
+        self.tensors, self.by_layer, self.on_error = tensors, by_layer, on_error
+
+    def __len__(self) -> int:
+        return len(self.by_layer)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        try:
+            with open(self.tensors.path, "rb") as f:
+                return _layer_tensors(self.tensors.read(f, self.by_layer[index]))
+        except OSError as e:
+            error = StateFileError(f"cannot read state file {self.tensors.path}: {e.strerror or e}")
+        except StateFileError as e:
+            error = e
+        if self.on_error is not None:
+            self.on_error(error)
+        raise error
 
 
 def check_compatible(snap: StateSnapshot, state: SequenceState, where: str = "state file") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import warnings
 from pathlib import Path
@@ -202,6 +203,38 @@ def test_damaged_state_file_is_refused_and_recomputed(dense, tmp_path, damage):
     assert done.usage["cached"] == 0 and text == expected
     assert "recomputing" not in (store.last_error or "")
     assert store.last_error and ("checksum" in store.last_error or "truncated" in store.last_error)
+
+
+def test_a_large_state_file_with_a_corrupt_layer_is_refused_when_restored(
+    dense, tmp_path, monkeypatch
+):
+    """A large state file is read layer by layer during the restore: a corrupt layer found
+    there is refused as one found up front would be (warned about, deleted, recomputed)."""
+    from qwen38_backend import state_files
+
+    monkeypatch.setattr(state_files, "STREAM_BYTES", 0)  # every file counts as large
+    directory = tmp_path / "store"
+    msgs = [{"role": "user", "content": TURNS[0]}]
+    expected, _ = _turn(dense.session(cache=False), msgs)
+    _turn(dense.session(cache=PrefixStore(directory)), msgs)
+    (path,) = directory.rglob(f"*{SUFFIX}")
+    data = path.read_bytes()
+    hlen = int.from_bytes(data[:8], "little")
+    table = json.loads(data[8 : 8 + hlen])
+    begin = 8 + hlen + table["layers.1.keys"]["data_offsets"][0]
+    damaged = bytearray(data)
+    damaged[begin] ^= 0x40
+    path.write_bytes(bytes(damaged))
+    store = PrefixStore(directory)
+    with pytest.warns(StateFileWarning, match="layers.1.keys fails its checksum"):
+        text, done = _turn(dense.session(cache=store), msgs)
+    assert done.usage["cached"] == 0 and text == expected
+    # the refused file was deleted, and the recomputed state saved anew in its place
+    state_files.restore_state_file(path, dense, dense.new_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StateFileWarning)
+        _, again = _turn(dense.session(cache=PrefixStore(directory)), msgs)
+    assert again.usage["cached"] > 0
 
 
 def test_foreign_state_file_is_refused_and_recomputed(dense, tmp_path):

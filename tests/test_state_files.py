@@ -178,6 +178,64 @@ def test_corrupt_tensor_bytes_refused(dense_model, tmp_path):
         sf.read_state_file(path, dense_model)
 
 
+def _layer_tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (first byte, end) in the file of each `layers.*` tensor."""
+    data = path.read_bytes()
+    hlen = int.from_bytes(data[:8], "little")
+    table = json.loads(data[8 : 8 + hlen])
+    return {
+        name: (8 + hlen + slot["data_offsets"][0], 8 + hlen + slot["data_offsets"][1])
+        for name, slot in table.items()
+        if name.startswith("layers.")
+    }
+
+
+def test_a_large_state_file_is_restored_one_layer_at_a_time(dense_model, tmp_path, monkeypatch):
+    """A state file of STREAM_BYTES and more is read as the restore goes: layer i's tensors
+    are read, then restored, before layer i + 1's are read; the restored state continues as
+    the saved one; and a corrupt layer is refused from inside the restore (on_error first)."""
+    monkeypatch.setattr(sf, "STREAM_BYTES", 0)  # this tiny state counts as large
+    model = dense_model
+    state = model.new_state()
+    model.prefill(PROMPT[:30], state)
+    path = tmp_path / f"big{sf.SUFFIX}"
+    sf.save_state_file(path, state, model)
+    want = continue_logits(model, state)
+    log = []
+    read = sf._TensorReader.read
+
+    def reading(self, f, names):
+        log.extend(("read", layer) for layer in sorted({n.split(".")[1] for n in names}))
+        return read(self, f, names)
+
+    monkeypatch.setattr(sf._TensorReader, "read", reading)
+    snap = sf.read_state_file(path, model)
+    assert log == []  # no layer read yet
+    restored = model.new_state()
+    for i, layer in enumerate(restored.layers):
+
+        def restoring(tensors, i=i, restore=layer.restore):
+            log.append(("restore", str(i)))
+            return restore(tensors)
+
+        layer.restore = restoring
+    restored.restore(snap)
+    n = len(restored.layers)
+    assert log == [step for i in range(n) for step in (("read", str(i)), ("restore", str(i)))]
+    np.testing.assert_array_equal(continue_logits(model, restored), want)
+
+    # a corrupt layer: read_state_file succeeds, the restore refuses that layer
+    name, (begin, _) = max(_layer_tensor_offsets(path).items(), key=lambda kv: kv[1][0])
+    data = bytearray(path.read_bytes())
+    data[begin + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    refused = []
+    snap = sf.read_state_file(path, model, on_error=refused.append)
+    with pytest.raises(StateFileError, match=f"tensor {name} fails its checksum"):
+        model.new_state().restore(snap)
+    assert len(refused) == 1 and "fails its checksum" in str(refused[0])
+
+
 def test_corrupt_header_refused(dense_model, tmp_path):
     path = _saved(dense_model, tmp_path)
     data = path.read_bytes()
