@@ -189,7 +189,7 @@ class Session:
         prepare_spill_dir(plan)
         # the live state is reused or dropped first (_prepare_state): its spill file's bytes
         # count as free, as its memory does below
-        held = self.state.spill_bytes(plan.spill_dir) if self.state and plan.spill_dir else 0
+        held = self.state.spill_bytes(plan.spill_dir) if plan.disk and self.state else 0
         if self.memory_limit is not None:
             available = int(self.memory_limit)
         else:

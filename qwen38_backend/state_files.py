@@ -579,8 +579,6 @@ class _LayersOnDisk(Sequence):
         return len(self.by_layer)
 
     def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
         try:
             with open(self.tensors.path, "rb") as f:
                 return _layer_tensors(self.tensors.read(f, self.by_layer[index]))
