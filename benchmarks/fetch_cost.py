@@ -109,7 +109,7 @@ def steps(kv: PagedKV, selections: Selections, n: int) -> tuple[list[float], lis
         mx.eval(pages)
         before = kv.stats["pages_fetched"]
         t = time.perf_counter()
-        pinned, _ = kv._resident_selection(pages)
+        pinned, _, _ = kv._resident_selection(pages)
         mx.eval(kv.pool.k, kv.pool.v)
         seconds.append(time.perf_counter() - t)
         fetched.append(kv.stats["pages_fetched"] - before)

@@ -9,7 +9,8 @@ selection), pages fetched per attention layer-step, one more decode per --eager-
 stride under a WaitClock, then one more under cProfile (top functions by own time and by
 cumulative time).
 `host_ms_per_layer_step` is the spilled step's extra time over the resident one per
-attention layer. On a CPU (the same shape of host work, small dims):
+attention layer. `--wait-first` adds, after each spilled run, the same run with each attention
+layer waiting for its selection before attending (the path before attending on a guess). On a CPU (the same shape of host work, small dims):
 
     nice -n 10 python benchmarks/profile_spill_gpu.py --dims tiny --layers 64 --length 8192 \
         --pool-tokens 4096 --page-tokens 16 --budget 1024 --chunk 2048 --runs 3
@@ -121,6 +122,10 @@ def fetched(state) -> int:
     return sum(layer.stats["pages_fetched"] for layer in attention_layers(state))
 
 
+def reattended(state) -> int:
+    return sum(layer.stats["reattended"] for layer in attention_layers(state))
+
+
 def top(profile: cProfile.Profile, key: str, n: int) -> list[str]:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats(key).print_stats(n)
@@ -151,10 +156,18 @@ def main() -> None:
         help="pages of a selection replaced per step (WanderingSelection; default: Quest's "
         "own selection, which random weights change every step)",
     )
+    ap.add_argument(
+        "--wait-first",
+        action="store_true",
+        help="after each spilled run, one more waiting for each selection before attending "
+        "(PagedKV.attend_on_guess off: the path before issue 12's session 13)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import mlx.core as mx
+
+    from qwen38_backend.kv.paged import PagedKV
 
     if args.churn is not None:
         WanderingSelection(args.churn).install()
@@ -178,13 +191,20 @@ def main() -> None:
         state.save_point()  # each run rewinds to the prompt's end
         step_times(model, state, logits, 4)  # warm: compiles the decode graph
         n_attn = len(attention_layers(state))
-        medians, rates, per_layer_step = [], [], []
+        medians, rates, per_layer_step, redone = [], [], [], []
+        waiting: list[float] = []  # --wait-first: the same runs, waiting for each selection
         for _ in range(args.runs):
-            before = fetched(state)
+            before, again = fetched(state), reattended(state)
             times = step_times(model, state, logits, args.decode)
             medians.append(statistics.median(times[1:]))
             rates.append((len(times) - 1) / sum(times[1:]))
             per_layer_step.append((fetched(state) - before) / ((len(times) - 1) * n_attn))
+            redone.append((reattended(state) - again) / ((len(times) - 1) * n_attn))
+            if args.wait_first and label == "spilled":
+                PagedKV.attend_on_guess = False
+                times = step_times(model, state, logits, args.decode)
+                PagedKV.attend_on_guess = True
+                waiting.append(statistics.median(times[1:]))
         clocked = clocked_runs(model, state, logits, args, n_attn)
         profile = cProfile.Profile()
         profile.enable()
@@ -200,6 +220,9 @@ def main() -> None:
             "tok_s_runs": rates,
             "pages_fetched_per_layer_step": statistics.median(per_layer_step),
             "pages_fetched_total": fetched(state),
+            "reattended_per_layer_step": statistics.median(redone),
+            "wait_first_median_step_s_runs": waiting,
+            "wait_first_median_step_s": statistics.median(waiting) if waiting else None,
             "clocked": clocked,
             "top_tottime": top(profile, "tottime", 25),
             "top_cumtime": top(profile, "cumulative", 40),

@@ -154,6 +154,44 @@ def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path, s
     assert spilled.table.n_spilled > 0
 
 
+def test_a_spilled_step_hands_its_layer_over_before_reading_the_selection(tmp_path, monkeypatch):
+    """The rest of the layer (`then`) is built on a guess from the device's page table before
+    the host reads the selection; a step that missed fetches and attends again, so every
+    answer is the resident one."""
+    k, v = rows(120, seed=1)
+    spilled = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, pool_pages=8,
+                      spill=SpillFile(tmp_path))  # fmt: skip
+    resident = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P)
+    fill(spilled, k, v)
+    fill(resident, k, v)
+    events = []
+    read = PagedKV._read_selection
+
+    def reading(self, pages):
+        events.append("read")
+        return read(self, pages)
+
+    def then(out):
+        events.append("then")
+        return out * 2 + 1
+
+    monkeypatch.setattr(PagedKV, "_read_selection", reading)
+    rng = np.random.default_rng(5)
+    missed = 0
+    for _ in range(12):
+        q = mx.array(rng.normal(size=(1, 4, 1, 8)).astype(np.float32) * 3)
+        kn = mx.array(rng.normal(size=(1, 2, 1, 8)).astype(np.float32))
+        events.clear()
+        before = spilled.stats["pages_fetched"]
+        a = spilled.attend_then(q, kn, kn, 0.35, then)
+        b = resident.attend(q, kn, kn, 0.35) * 2 + 1
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)
+        assert events[:2] == ["then", "read"]
+        missed += spilled.stats["pages_fetched"] > before
+        assert not spilled.pool._pins
+    assert missed > 0 and spilled.stats["reattended"] == missed
+
+
 def test_a_step_without_misses_refreshes_its_selection_without_pins(tmp_path):
     k, v = rows(120, seed=1)
     store = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, pool_pages=8,
@@ -225,6 +263,8 @@ def test_dense_model_spilled_equals_resident(dense, tmp_path, budget):
     assert kv["spill_writes"] >= kv["pages_spilled"]
     assert kv["pages_fetched"] > 0 and kv["spill_read_bytes"] > 0
     assert kv["pool_pages"] == layers * 12
+    if budget < 10**6:  # sparse steps attended on a guess; those that missed, again
+        assert 0 < kv["reattended"] < kv["sparse_steps"] * layers
 
 
 def test_hybrid_model_spilled_equals_resident(hybrid, tmp_path):

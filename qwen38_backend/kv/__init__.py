@@ -2,7 +2,7 @@
 
 `make_kv_factory(**kv_options)` returns a zero-argument callable that builds one layer's KV
 store; models call it once per attention layer in `make_state`. Every store implements
-`attend(q, k, v, scale)` plus the LayerState protocol (state.py).
+`attend(q, k, v, scale)` (paged ones also `attend_then`) plus the LayerState protocol (state.py).
 
 Options (wherever sampling options are accepted; validated and decided by policy.choose_kv):
 - kv_paged: "off" (contiguous store), "on" (paged, Quest whenever the budget does not cover
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import mlx.core as mx
+
 from .contiguous import ContiguousKV
 from .paged import PagedKV, prefilling
 from .policy import KV_DEFAULTS, KV_OPTION_KEYS, KVChoice, auto_pool_tokens, choose_kv
@@ -37,6 +39,7 @@ __all__ = [
     "KVChoice",
     "KVFactory",
     "PagedKV",
+    "attend_then",
     "prefilling",
     "PagePool",
     "SpillFile",
@@ -86,6 +89,16 @@ class KVFactory:
         from .policy import AUTO_MIN_PAGES
 
         return max(-(-self._auto_tokens // P), AUTO_MIN_PAGES)
+
+
+def attend_then(kv, q: mx.array, k: mx.array, v: mx.array, scale: float, then) -> mx.array:
+    """then(kv.attend(q, k, v, scale)), where `then` is the rest of the layer and keeps no
+    state: a store that can use it hands both to the device before it waits for the host
+    (PagedKV.attend_then: a spilled step checks its selection after); others just attend."""
+    method = getattr(kv, "attend_then", None)
+    if method is None:
+        return then(kv.attend(q, k, v, scale))
+    return method(q, k, v, scale, then)
 
 
 def make_kv_factory(**options) -> Callable[[], object]:

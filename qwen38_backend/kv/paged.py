@@ -78,6 +78,9 @@ class PagedKV:
 
     can_truncate = True
     profile = False
+    # False: a spilled step waits for its selection before attending (_attend_checked;
+    # benchmarks compare the two in one run)
+    attend_on_guess = True
     quest = True  # Quest metadata and selection; False where the model selects (QSA)
     block_tokens = BLOCK_TOKENS  # prefill walks a longer past in blocks (kv/blocked.py)
 
@@ -132,6 +135,7 @@ class PagedKV:
                 "attend_seconds",
                 "pages_fetched",
                 "spill_read_bytes",
+                "reattended",
             ),
             0,
         )
@@ -383,10 +387,13 @@ class PagedKV:
             kb, vb = self._assemble(a, b, fetched) if pages else self._span(a, b)
             yield kb[None], vb[None]
 
-    def _fetch(self, pages: list[int]) -> list[int]:
+    def _fetch(self, pages: list[int], settle: Callable[[], None] | None = None) -> list[int]:
         """Bring spilled pages back into slots (batched reads); returns their slots. The
-        caller pins what it needs resident, so these allocations cannot evict it."""
+        caller pins what it needs resident, so these allocations cannot evict it; `settle`
+        runs between the reads and the pool writes."""
         data = self._read(pages)
+        if settle is not None:
+            settle()
         try:
             slots = self.pool.alloc(len(pages), self.pool.k, self.pool.v)
         except PoolFullError as e:
@@ -425,7 +432,7 @@ class PagedKV:
         the fetches cannot evict them); with a bounded pool at most `gather_limit()` pages."""
         P = self.page_tokens
         if self.table.n_spilled:
-            pinned, slots = self._resident_selection(positions // P)
+            pinned, slots, _ = self._resident_selection(positions // P)
             rows = mx.array(slots, dtype=mx.int32) * P + positions % P
         else:
             pinned = []
@@ -457,30 +464,46 @@ class PagedKV:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """Append k/v [1, Hkv, T, D], then causal attention of q [1, Hq, T, D] over the pages."""
+        return self.attend_then(q, k, v, scale, None)
+
+    def attend_then(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        scale: float,
+        then: Callable[[mx.array], mx.array] | None,
+    ) -> mx.array:
+        """then(attend(q, k, v, scale)), where `then` is the rest of the layer and keeps no
+        state (kv/__init__.py attend_then): a spilled Quest step hands both to the device
+        before it reads its selection on the host (_attend_checked)."""
         self.append(k[0], v[0])
         T = q.shape[2]
+        finish = then if then is not None else (lambda out: out)
         if T == 1 and not _PREFILLING.get():
             self.stats["decode_steps"] += 1
             n_pages, n_sel = self.selection_size()
             if n_sel < n_pages or self.always_select:
-                return self._attend_selected(q, scale, n_pages, n_sel)
+                return self._attend_selected(q, scale, n_pages, n_sel, then)
             self.stats["pages_selected"] += n_pages * k.shape[1]
             self.stats["kv_read_bytes"] += self.length * (k[0, :, 0].nbytes + v[0, :, 0].nbytes)
-            return self._attend_dense(q, k, v, scale)
+            return finish(self._attend_dense(q, k, v, scale))
         past = self.length - T
         if T <= STEP_MAX_ROWS and self.dense_from(past + 1):
             # a step (a speculative verify): each row as the dense decode step at its position
-            return self._attend_dense(q, k, v, scale)
-        return attend_past(
-            q,
-            past,
-            lambda block: self._past_blocks(past, block),
-            k,
-            v,
-            scale,
-            self._dense_kv,
-            self._block(),
-            self.page_tokens,
+            return finish(self._attend_dense(q, k, v, scale))
+        return finish(
+            attend_past(
+                q,
+                past,
+                lambda block: self._past_blocks(past, block),
+                k,
+                v,
+                scale,
+                self._dense_kv,
+                self._block(),
+                self.page_tokens,
+            )
         )
 
     def _attend_dense(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
@@ -535,62 +558,79 @@ class PagedKV:
         n_pages = mx.array(len(self.table), dtype=mx.int32)
         return run(q, self.kmin, self.kmax, n_pages)
 
-    def _resident_selection(self, pages: mx.array) -> tuple[list[int], np.ndarray]:
-        """Make every selected page resident: pin the resident ones, fetch the misses (the
-        pins keep those allocations from evicting the selection). Returns the pinned slots
-        (none when nothing missed) and the slot of each entry of `pages` (a host array of its
-        shape: the caller gathers through it instead of uploading the whole table)."""
+    def _read_selection(self, pages: mx.array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The selection on the host: (selected pages, the distinct ones, their slots or
+        SPILLED). One wait, which also gathers the pages due for write-behind."""
         behind = []
         if self._fetched and self._fetched >= self._behind_reserve() // 2:
             behind, self._fetched = self._behind_pages(), 0
         gathered = self.table.gather_pages([self.table.slots[p] for p in behind]) if behind else ()
-        mx.eval(pages, *gathered)  # one wait: the selection and the pages to write behind
+        mx.eval(pages, *gathered)
         if behind:
             self.table.write_behind(behind, gathered)
-        selected = np.array(pages)  # the selection is read on the host
+        selected = np.array(pages)
         wanted = np.unique(selected)
         slots = self.table.slots
         wanted_slots = np.array([slots[p] for p in wanted.tolist()], dtype=np.int32)
+        return selected, wanted, wanted_slots
+
+    def _resident_selection(
+        self, pages: mx.array, settle: Callable[[], None] | None = None
+    ) -> tuple[list[int], np.ndarray, bool]:
+        """Make every selected page resident: pin the resident ones, fetch the misses (the
+        pins keep those allocations from evicting the selection). Returns the pinned slots
+        (none when nothing missed), the slot of each entry of `pages` (a host array of its
+        shape: the caller gathers through it instead of uploading the whole table), and
+        whether anything missed. `settle` runs after the misses are read from disk and
+        before they are written into the pool."""
+        selected, wanted, wanted_slots = self._read_selection(pages)
         missed = wanted_slots == SPILLED
         resident = wanted_slots[~missed].tolist()
         if not missed.any():
             # Nothing allocates before the caller's gather, so nothing needs pinning: only
             # the recency that unpinning would give (the usual step of a real model).
             self.pool.touch(resident)
-            return [], wanted_slots[np.searchsorted(wanted, selected)]
+            return [], wanted_slots[np.searchsorted(wanted, selected)], False
         self.pool.pin(resident)
         try:
-            fetched = self._fetch(wanted[missed].tolist())
+            fetched = self._fetch(wanted[missed].tolist(), settle)
         except (SpillError, AdmissionError):
             self.pool.unpin(resident)
             raise
         self.pool.pin(fetched)
         wanted_slots[missed] = fetched
-        return resident + fetched, wanted_slots[np.searchsorted(wanted, selected)]
+        return resident + fetched, wanted_slots[np.searchsorted(wanted, selected)], True
 
-    def _attend_selected(self, q: mx.array, scale: float, n_pages: int, n_sel: int) -> mx.array:
-        P = self.page_tokens
-        hkv, d = self.pool.k.shape[0], self.pool.k.shape[2]
+    def _attend_selected(
+        self,
+        q: mx.array,
+        scale: float,
+        n_pages: int,
+        n_sel: int,
+        then: Callable[[mx.array], mx.array] | None = None,
+    ) -> mx.array:
+        finish = then if then is not None else (lambda out: out)
         if self.profile:
             mx.eval(q, self.pool.k, self.pool.v, self.kmin, self.kmax)
             t0 = time.perf_counter()
         pages = self.select(q[0, :, 0, :], n_sel)
+        # The last (open) page is selected and sorts last: drop its unwritten tail.
+        n_rows = n_sel * self.page_tokens - (n_pages * self.page_tokens - self.length)
+        self._count_selected(n_pages, n_sel, n_rows)
+        # (a shared selection's rows are one row broadcast)
+        chosen = pages[:1] if self.shared else pages
+        if self.table.n_spilled and then is not None and self.attend_on_guess and not self.profile:
+            return self._attend_checked(q, scale, pages, chosen, n_rows, then)
         if self.profile:
             mx.eval(pages)
             t1 = time.perf_counter()
-        if self.table.n_spilled:  # (a shared selection's rows are one row broadcast)
-            pinned, host_slots = self._resident_selection(pages[:1] if self.shared else pages)
+        if self.table.n_spilled:
+            pinned, host_slots, _ = self._resident_selection(chosen)
             slots = mx.broadcast_to(mx.array(host_slots), pages.shape)
         else:
             pinned = []
             slots = pages if self.table.identity else self.table.array()[pages]
-        # The last (open) page is selected and sorts last: drop its unwritten tail.
-        n_rows = n_sel * P - (n_pages * P - self.length)
-        if slots.dtype != mx.int32:
-            slots = slots.astype(mx.int32)
-        out = attend_pages(
-            q, self.pool.k[None], self.pool.v[None], slots, n_rows, P, scale, self.shared
-        )
+        out = self._attend_slots(q, scale, slots, n_rows)
         if pinned:
             # The attention above reads this version of the pool: later writes cannot reach it.
             self.pool.unpin(pinned)
@@ -599,12 +639,54 @@ class PagedKV:
             mx.eval(out)
             self.stats["select_seconds"] += t1 - t0
             self.stats["attend_seconds"] += time.perf_counter() - t1
+        return finish(out)
+
+    def _attend_checked(
+        self,
+        q: mx.array,
+        scale: float,
+        pages: mx.array,
+        chosen: mx.array,
+        n_rows: int,
+        then: Callable[[mx.array], mx.array],
+    ) -> mx.array:
+        """A spilled step that does not wait for its selection before attending: the slots
+        come from the device's copy of the page table (a spilled page reads slot 0 instead),
+        the attention and `then` go to the device, and only then does the host read the
+        selection. Waiting first left the device idle while the host checked the selection
+        and built the layer, at every attention layer of every step (1.1 ms per layer-step on
+        the H200, a page fetched or not: profile_spill_16l_131k_churn0.json). When every
+        selected page was resident (the usual step of real text), that is the answer; a miss
+        is fetched and the layer attends again (`then` keeps no state, so the guess is just
+        dropped)."""
+        guess = mx.maximum(self.table.array()[chosen], 0)
+        done = then(self._attend_slots(q, scale, mx.broadcast_to(guess, pages.shape), n_rows))
+        mx.async_eval(done)
+        # Before fetched pages are written into the pool, the guess must have read it: a
+        # write while a pending read holds the pool would copy all of it.
+        pinned, host_slots, missed = self._resident_selection(chosen, lambda: mx.eval(done))
+        if not missed:
+            return done
+        self.stats["reattended"] += 1
+        slots = mx.broadcast_to(mx.array(host_slots), pages.shape)
+        out = then(self._attend_slots(q, scale, slots, n_rows))
+        self.pool.unpin(pinned)
+        self.pool.touch(pinned)
+        return out
+
+    def _attend_slots(self, q: mx.array, scale: float, slots: mx.array, n_rows: int) -> mx.array:
+        if slots.dtype != mx.int32:
+            slots = slots.astype(mx.int32)
+        pool_k, pool_v, P = self.pool.k[None], self.pool.v[None], self.page_tokens
+        return attend_pages(q, pool_k, pool_v, slots, n_rows, P, scale, self.shared)
+
+    def _count_selected(self, n_pages: int, n_sel: int, n_rows: int) -> None:
+        hkv, d = self.pool.k.shape[0], self.pool.k.shape[2]
         item = self.pool.k.dtype.size
         self.stats["sparse_steps"] += 1
         self.stats["pages_selected"] += n_sel * hkv
         self.stats["kv_read_bytes"] += 2 * n_rows * hkv * d * item
         self.stats["meta_read_bytes"] += 2 * n_pages * hkv * d * self.kmin.itemsize
-        return out
 
     # ----- LayerState -----------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kv import attend_then
 from ..rows import STEP_MAX_ROWS, forward_pad, kernel_dtype, project, quantized_mode, split_rows
 from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
 
@@ -295,8 +296,8 @@ class PreNormBlock(nn.Module):
     def decode_attention(self, h: mx.array, kv, offset: int) -> mx.array:
         # the position as an array: a Python int would be traced as a constant
         q, k, v, *gate = compiled(self, "_attention_in")(h, mx.array(offset, dtype=mx.int32))
-        out = kv.attend(q, k, v, self.self_attn.scale)
-        return compiled(self, "_attention_out")(h, out, *gate)
+        finish = compiled(self, "_attention_out")
+        return attend_then(kv, q, k, v, self.self_attn.scale, lambda out: finish(h, out, *gate))
 
     def _attention_in(self, h: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         q, k, v, gate = self.self_attn.project_qkv(self.input_layernorm(h), offset)
