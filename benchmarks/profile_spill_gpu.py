@@ -9,8 +9,9 @@ selection), pages fetched per attention layer-step, one more decode per --eager-
 stride under a WaitClock, then one more under cProfile (top functions by own time and by
 cumulative time).
 `host_ms_per_layer_step` is the spilled step's extra time over the resident one per
-attention layer. `--wait-first` adds, after each spilled run, the same run with each attention
-layer waiting for its selection before attending (the path before attending on a guess). On a CPU (the same shape of host work, small dims):
+attention layer. `--wait-first` adds, after each spilled run, the same run with each
+attention layer waiting for its selection before attending (the path before attending on a
+guess). On a CPU (the same shape of host work, small dims):
 
     nice -n 10 python benchmarks/profile_spill_gpu.py --dims tiny --layers 64 --length 8192 \
         --pool-tokens 4096 --page-tokens 16 --budget 1024 --chunk 2048 --runs 3

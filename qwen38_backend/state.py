@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -25,6 +26,15 @@ from .rows import STEP_MAX_ROWS
 # 1.083x vs 1.113x with 2, prefill 4,436 vs 4,561 tok/s
 # (benchmarks/results/h200/depth32k_ahead1.json, depth32k_ahead2.json).
 PREFILL_LAYERS_AHEAD = 1
+
+# Set while SequenceState.run_layers runs a step: a layer that attended on a guess may leave
+# its check to the loop (PagedKV._attend_checked); elsewhere it checks at once.
+_CHECKS_LATER: ContextVar[bool] = ContextVar("qwen38_checks_later", default=False)
+
+
+def checks_later() -> bool:
+    """Whether the running forward checks a layer's guess itself (run_layers)."""
+    return _CHECKS_LATER.get()
 
 
 @runtime_checkable
@@ -227,6 +237,54 @@ class SequenceState:
                 self._queued.clear()  # the chunk's end: evaluated with it, pinned by nothing
         elif eager and (index + 1) % eager == 0:
             mx.async_eval(out)
+
+    def run_layers(
+        self, blocks: Sequence[Callable], h: mx.array, offset: int, rows: int
+    ) -> mx.array:
+        """`h` through every layer (block i with self.layers[i]), each handed over as
+        layer_built says.
+
+        A step whose stores read back spilled pages (`reads_back`) lets a store attend on a
+        guess (`guessed()` after its call: PagedKV._attend_checked) and checks the guess only
+        before the next layer that cannot be put back (one without `mark()`: a store) or at
+        the end. Meanwhile the host builds the layers in between (Gated DeltaNet layers, whose
+        state is marked first) while the device runs them, instead of waiting for each
+        attention layer's selection. A wrong guess (a selected page was on disk) has been
+        fetched by `check_guess()`: the layers since get their marked state back and the
+        loop runs again from the guessing layer, which then attends on the fetched pages."""
+        if len(blocks) != len(self.layers):
+            raise ValueError(f"{len(blocks)} layers for a state of {len(self.layers)}")
+        eager = self.eager_layers(rows)
+        if rows != 1 or not self.reads_back():
+            for i, block in enumerate(blocks):
+                h = block(h, self.layers[i], offset)
+                self.layer_built(i, h, rows, eager)
+            return h
+        token = _CHECKS_LATER.set(True)
+        try:
+            i, n = 0, len(blocks)
+            guess = None  # (layer index, its input, [(layer, mark)] of the layers since)
+            while True:
+                layer = self.layers[i] if i < n else None
+                if guess is not None and (layer is None or not hasattr(layer, "mark")):
+                    at, h_in, marks = guess
+                    guess = None
+                    if not self.layers[at].check_guess():
+                        for later, mark in marks:
+                            later.back_to(mark)
+                        i, h = at, h_in
+                        continue
+                if layer is None:
+                    return h
+                if guess is not None:
+                    guess[2].append((layer, layer.mark()))
+                h_in, h = h, blocks[i](h, layer, offset)
+                self.layer_built(i, h, rows, eager)
+                if getattr(layer, "guessed", None) is not None and layer.guessed():
+                    guess = (i, h_in, [])
+                i += 1
+        finally:
+            _CHECKS_LATER.reset(token)
 
     def reads_back(self) -> bool:
         """Whether some layer reads device results on the host part-way through a step (a

@@ -277,6 +277,40 @@ def test_hybrid_model_spilled_equals_resident(hybrid, tmp_path):
         assert state.reads_back() and not resident.reads_back()
         kv = collect_kv_stats(state)
         assert kv["pages_spilled"] > 0 and kv["pages_fetched"] > 0
+        if budget < 10**6:  # steps that guessed wrong ran again from the guessing layer
+            assert kv["reattended"] > 0
+
+
+def test_a_hybrid_step_checks_a_guess_after_building_the_layers_that_follow(
+    hybrid, tmp_path, monkeypatch
+):
+    """Inside a step, an attention layer's guess is checked only when the loop reaches the
+    next attention layer (or the end): the Gated DeltaNet layers between are built (their
+    state marked) first, and a wrong guess puts them back and runs them again."""
+    from qwen38_backend.models.gated_deltanet import GatedDeltaNetState
+
+    events = []
+    check, mark = PagedKV.check_guess, GatedDeltaNetState.mark
+
+    def checking(self):
+        right = check(self)
+        events.append("right" if right else "wrong")
+        return right
+
+    def marking(self):
+        events.append("mark")
+        return mark(self)
+
+    monkeypatch.setattr(PagedKV, "check_guess", checking)
+    monkeypatch.setattr(GatedDeltaNetState, "mark", marking)
+    ids = prompt(120, hybrid.config.vocab_size, seed=3)
+    ref, _ = greedy(hybrid.net, ids, factory(None, 4 * P, pool_pages=None), n=20)
+    out, _ = greedy(hybrid.net, ids, factory(tmp_path, 4 * P, pool_pages=10), n=20)
+    assert out == ref
+    checks = [i for i, e in enumerate(events) if e in ("right", "wrong")]
+    assert "wrong" in events and "right" in events
+    # 8 layers, attention every 4th: the first guess (layer 3) is checked after layers 4-6
+    assert events[checks[0] - 3 : checks[0]] == ["mark"] * 3
 
 
 def test_engine_options_spill(dense, tmp_path):

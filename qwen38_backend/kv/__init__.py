@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import mlx.core as mx
-
 from .contiguous import ContiguousKV
 from .paged import PagedKV, prefilling
 from .policy import KV_DEFAULTS, KV_OPTION_KEYS, KVChoice, auto_pool_tokens, choose_kv
@@ -39,7 +37,6 @@ __all__ = [
     "KVChoice",
     "KVFactory",
     "PagedKV",
-    "attend_then",
     "prefilling",
     "PagePool",
     "SpillFile",
@@ -89,16 +86,6 @@ class KVFactory:
         from .policy import AUTO_MIN_PAGES
 
         return max(-(-self._auto_tokens // P), AUTO_MIN_PAGES)
-
-
-def attend_then(kv, q: mx.array, k: mx.array, v: mx.array, scale: float, then) -> mx.array:
-    """then(kv.attend(q, k, v, scale)), where `then` is the rest of the layer and keeps no
-    state: a store that can use it hands both to the device before it waits for the host
-    (PagedKV.attend_then: a spilled step checks its selection after); others just attend."""
-    method = getattr(kv, "attend_then", None)
-    if method is None:
-        return then(kv.attend(q, k, v, scale))
-    return method(q, k, v, scale, then)
 
 
 def make_kv_factory(**options) -> Callable[[], object]:

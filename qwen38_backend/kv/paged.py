@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import AdmissionError, InvalidOptionError, SpillError
 from ..rows import STEP_MAX_ROWS
+from ..state import checks_later
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .one_token import attend_pages, attend_rows
 from .pool import PagePool, PoolFullError
@@ -107,6 +108,8 @@ class PagedKV:
         # With a spill tier, sealed pages can leave a bounded pool for the sequence's file.
         self.table = PageTable(self.pool, spill.region() if spill is not None else None)
         self._behind_at = 0  # n_sealed when write-behind last looked
+        self._guess: tuple | None = None  # a step attended on a guess, unchecked
+        self._retry: tuple | None = None  # a wrong guess's fetched selection, to attend on
         P = page_tokens
         self.budget_pages = -(-budget // P)  # token budget rounded up to whole pages
         self.sink_pages = -(-sinks // P)
@@ -141,6 +144,7 @@ class PagedKV:
         )
 
     def _reset(self) -> None:
+        self._drop_guess()
         self.table.clear()
         self._behind_at = 0
         self._fetched = 0  # pages fetched (so evicted) since the written reserve was topped up
@@ -475,11 +479,13 @@ class PagedKV:
         then: Callable[[mx.array], mx.array] | None,
     ) -> mx.array:
         """then(attend(q, k, v, scale)), where `then` is the rest of the layer and keeps no
-        state (kv/__init__.py attend_then): a spilled Quest step hands both to the device
+        state (layers.py decode_attention): a spilled Quest step hands both to the device
         before it reads its selection on the host (_attend_checked)."""
+        finish = then if then is not None else (lambda out: out)
+        if self._retry is not None:  # a wrong guess, fetched: its rows are stored already
+            return self._attend_retry(q, scale, finish)
         self.append(k[0], v[0])
         T = q.shape[2]
-        finish = then if then is not None else (lambda out: out)
         if T == 1 and not _PREFILLING.get():
             self.stats["decode_steps"] += 1
             n_pages, n_sel = self.selection_size()
@@ -652,27 +658,60 @@ class PagedKV:
     ) -> mx.array:
         """A spilled step that does not wait for its selection before attending: the slots
         come from the device's copy of the page table (a spilled page reads slot 0 instead),
-        the attention and `then` go to the device, and only then does the host read the
-        selection. Waiting first left the device idle while the host checked the selection
-        and built the layer, at every attention layer of every step (1.1 ms per layer-step on
-        the H200, a page fetched or not: profile_spill_16l_131k_churn0.json). When every
-        selected page was resident (the usual step of real text), that is the answer; a miss
-        is fetched and the layer attends again (`then` keeps no state, so the guess is just
-        dropped)."""
+        the attention and `then` go to the device, and the host reads the selection after:
+        here, or, inside SequenceState.run_layers, when the loop reaches the next layer that
+        cannot be put back (check_guess). Waiting first left the device idle at every
+        attention layer of every step, a page fetched or not (H200, 16 layers, 131K, 32K
+        pool: 9.6 vs 5.1 ms per step, profile_spill_16l_131k_churn0.json). When every
+        selected page was resident (the usual step of real text) the guess is the answer; a
+        miss is fetched and the layer attends again (`then` keeps no state)."""
         guess = mx.maximum(self.table.array()[chosen], 0)
         done = then(self._attend_slots(q, scale, mx.broadcast_to(guess, pages.shape), n_rows))
         mx.async_eval(done)
+        self._guess = (chosen, pages.shape, n_rows, done)
+        if checks_later() or self.check_guess():
+            return done
+        return self._attend_retry(q, scale, then)
+
+    def guessed(self) -> bool:
+        """The last step attended on a guess that check_guess() has not looked at."""
+        return self._guess is not None
+
+    def check_guess(self) -> bool:
+        """Read the guessing step's selection on the host: True if every selected page was
+        resident (the guess was right); else the misses are fetched (pinned with the rest of
+        the selection) and the layer's next call attends on them without storing its rows
+        again (_attend_retry)."""
+        chosen, shape, n_rows, done = self._guess
+        self._guess = None
         # Before fetched pages are written into the pool, the guess must have read it: a
         # write while a pending read holds the pool would copy all of it.
         pinned, host_slots, missed = self._resident_selection(chosen, lambda: mx.eval(done))
         if not missed:
-            return done
+            return True
+        self._retry = (pinned, host_slots, shape, n_rows)
         self.stats["reattended"] += 1
-        slots = mx.broadcast_to(mx.array(host_slots), pages.shape)
+        return False
+
+    def _attend_retry(
+        self, q: mx.array, scale: float, then: Callable[[mx.array], mx.array]
+    ) -> mx.array:
+        pinned, host_slots, shape, n_rows = self._retry
+        self._retry = None
+        slots = mx.broadcast_to(mx.array(host_slots), shape)
         out = then(self._attend_slots(q, scale, slots, n_rows))
+        # The attention above reads this version of the pool: later writes cannot reach it.
         self.pool.unpin(pinned)
         self.pool.touch(pinned)
         return out
+
+    def _drop_guess(self) -> None:
+        """Forget an unchecked guess or a pending retry (a rewind, a reset, an interrupted
+        step), and the pins of the retry's selection."""
+        self._guess = None
+        if self._retry is not None:
+            self.pool.unpin(self._retry[0])
+            self._retry = None
 
     def _attend_slots(self, q: mx.array, scale: float, slots: mx.array, n_rows: int) -> mx.array:
         if slots.dtype != mx.int32:
@@ -751,6 +790,7 @@ class PagedKV:
 
     def truncate(self, length: int) -> None:
         """Drop rows past `length`: free whole pages, un-seal a page cut in the middle."""
+        self._drop_guess()
         if length >= self.length:
             return
         P = self.page_tokens

@@ -61,10 +61,7 @@ class DenseModel(CausalLM):
         offset = state.offset
         h = self.model.embed_tokens(ids)
         rows.prepare(h.dtype, self, ids.shape[0])
-        eager = state.eager_layers(ids.shape[0])
-        for i, (layer, kv) in enumerate(zip(self.model.layers, state.layers, strict=True)):
-            h = layer(h, kv, offset)
-            state.layer_built(i, h, ids.shape[0], eager)
+        h = state.run_layers(self.model.layers, h, offset, ids.shape[0])
         return self.model.norm(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -66,6 +66,14 @@ class GatedDeltaNetState(Replayable):
         if self.recording:
             self._rows = (last, inputs, states)
 
+    def mark(self) -> tuple:
+        """What back_to() needs to undo the steps taken after it (SequenceState.run_layers:
+        a step run again from an earlier layer); arrays are values, so references suffice."""
+        return (self.conv, self.recurrent, self.length, self._rows, self._kept)
+
+    def back_to(self, mark: tuple) -> None:
+        self.conv, self.recurrent, self.length, self._rows, self._kept = mark
+
     def replay(self, n: int) -> None:
         """After a restore to the recorded step's start: the state after its first n rows."""
         if self._rows is None:

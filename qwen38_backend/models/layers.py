@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kv import attend_then
 from ..rows import STEP_MAX_ROWS, forward_pad, kernel_dtype, project, quantized_mode, split_rows
 from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
 
@@ -297,7 +296,11 @@ class PreNormBlock(nn.Module):
         # the position as an array: a Python int would be traced as a constant
         q, k, v, *gate = compiled(self, "_attention_in")(h, mx.array(offset, dtype=mx.int32))
         finish = compiled(self, "_attention_out")
-        return attend_then(kv, q, k, v, self.self_attn.scale, lambda out: finish(h, out, *gate))
+        scale = self.self_attn.scale
+        attend_then = getattr(kv, "attend_then", None)  # PagedKV: hands `finish` over early
+        if attend_then is None:
+            return finish(h, kv.attend(q, k, v, scale), *gate)
+        return attend_then(q, k, v, scale, lambda out: finish(h, out, *gate))
 
     def _attention_in(self, h: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         q, k, v, gate = self.self_attn.project_qkv(self.input_layernorm(h), offset)
