@@ -9,9 +9,10 @@ selection), pages fetched per attention layer-step, one more decode per --eager-
 stride under a WaitClock, then one more under cProfile (top functions by own time and by
 cumulative time).
 `host_ms_per_layer_step` is the spilled step's extra time over the resident one per
-attention layer. `--wait-first` adds, after each spilled run, the same run with each
-attention layer waiting for its selection before attending (the path before attending on a
-guess). On a CPU (the same shape of host work, small dims):
+attention layer. Spilled steps attend on a guess (PagedKV.attend_on_guess, the GPU's default,
+forced on here also on a CPU; `--wait-only`: off); `--wait-first` adds, after each spilled
+run, the same run with each attention layer waiting for its selection before attending. On a
+CPU (the same shape of host work, small dims):
 
     nice -n 10 python benchmarks/profile_spill_gpu.py --dims tiny --layers 64 --length 8192 \
         --pool-tokens 4096 --page-tokens 16 --budget 1024 --chunk 2048 --runs 3
@@ -163,12 +164,18 @@ def main() -> None:
         help="after each spilled run, one more waiting for each selection before attending "
         "(PagedKV.attend_on_guess off: the path before issue 12's session 13)",
     )
+    ap.add_argument(
+        "--wait-only", action="store_true", help="every spilled run waits for its selection"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import mlx.core as mx
 
     from qwen38_backend.kv.paged import PagedKV
+
+    # the guess as on a GPU, also on a CPU (where it is off by default)
+    guess = PagedKV.attend_on_guess = not args.wait_only
 
     if args.churn is not None:
         WanderingSelection(args.churn).install()
@@ -204,7 +211,7 @@ def main() -> None:
             if args.wait_first and label == "spilled":
                 PagedKV.attend_on_guess = False
                 times = step_times(model, state, logits, args.decode)
-                PagedKV.attend_on_guess = True
+                PagedKV.attend_on_guess = guess
                 waiting.append(statistics.median(times[1:]))
         clocked = clocked_runs(model, state, logits, args, n_attn)
         profile = cProfile.Profile()

@@ -39,6 +39,14 @@ def hybrid(tmp_path_factory):
     return qwen38_backend.load(str(tiny_weights("qwen3_5", tmp_path_factory.mktemp("q"), 7)))
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["guess", "wait"])
+def guessing(request, monkeypatch):
+    """Every test with a spilled step attending on a guess (the GPU's default) and waiting
+    for its selection first (the CPU's)."""
+    monkeypatch.setattr(PagedKV, "attend_on_guess", request.param)
+    return request.param
+
+
 def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(10, vocab - 10, n).tolist()
 
@@ -154,10 +162,12 @@ def test_sparse_decode_fetches_misses_and_keeps_the_selection_pinned(tmp_path, s
     assert spilled.table.n_spilled > 0
 
 
-def test_a_spilled_step_hands_its_layer_over_before_reading_the_selection(tmp_path, monkeypatch):
-    """The rest of the layer (`then`) is built on a guess from the device's page table before
-    the host reads the selection; a step that missed fetches and attends again, so every
-    answer is the resident one."""
+def test_a_spilled_step_hands_its_layer_over_before_reading_the_selection(
+    tmp_path, monkeypatch, guessing
+):
+    """On a guess, the rest of the layer (`then`) is built from the device's page table
+    before the host reads the selection, and a step that missed fetches and attends again;
+    waiting, the selection is read first. Either way every answer is the resident one."""
     k, v = rows(120, seed=1)
     spilled = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, pool_pages=8,
                       spill=SpillFile(tmp_path))  # fmt: skip
@@ -186,10 +196,10 @@ def test_a_spilled_step_hands_its_layer_over_before_reading_the_selection(tmp_pa
         a = spilled.attend_then(q, kn, kn, 0.35, then)
         b = resident.attend(q, kn, kn, 0.35) * 2 + 1
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)
-        assert events[:2] == ["then", "read"]
+        assert events[:2] == (["then", "read"] if guessing else ["read", "then"])
         missed += spilled.stats["pages_fetched"] > before
         assert not spilled.pool._pins
-    assert missed > 0 and spilled.stats["reattended"] == missed
+    assert missed > 0 and spilled.stats["reattended"] == (missed if guessing else 0)
 
 
 def test_a_step_without_misses_refreshes_its_selection_without_pins(tmp_path):
@@ -252,7 +262,7 @@ def test_selection_larger_than_the_pool_is_refused(tmp_path):
 
 # ----- models: same tokens as all-resident, with pages really spilled and fetched ---------
 @pytest.mark.parametrize("budget", [10**6, 4 * P])
-def test_dense_model_spilled_equals_resident(dense, tmp_path, budget):
+def test_dense_model_spilled_equals_resident(dense, tmp_path, budget, guessing):
     ids = prompt(150, dense.config.vocab_size)
     ref, _ = greedy(dense.net, ids, factory(None, budget, pool_pages=None))
     out, state = greedy(dense.net, ids, factory(tmp_path, budget, pool_pages=12))
@@ -263,11 +273,13 @@ def test_dense_model_spilled_equals_resident(dense, tmp_path, budget):
     assert kv["spill_writes"] >= kv["pages_spilled"]
     assert kv["pages_fetched"] > 0 and kv["spill_read_bytes"] > 0
     assert kv["pool_pages"] == layers * 12
-    if budget < 10**6:  # sparse steps attended on a guess; those that missed, again
+    if budget < 10**6 and guessing:  # sparse steps attended on a guess; wrong ones again
         assert 0 < kv["reattended"] < kv["sparse_steps"] * layers
+    else:
+        assert kv["reattended"] == 0
 
 
-def test_hybrid_model_spilled_equals_resident(hybrid, tmp_path):
+def test_hybrid_model_spilled_equals_resident(hybrid, tmp_path, guessing):
     ids = prompt(120, hybrid.config.vocab_size, seed=3)
     for budget in (10**6, 4 * P):
         ref, resident = greedy(hybrid.net, ids, factory(None, budget, pool_pages=None), n=20)
@@ -277,16 +289,17 @@ def test_hybrid_model_spilled_equals_resident(hybrid, tmp_path):
         assert state.reads_back() and not resident.reads_back()
         kv = collect_kv_stats(state)
         assert kv["pages_spilled"] > 0 and kv["pages_fetched"] > 0
-        if budget < 10**6:  # steps that guessed wrong ran again from the guessing layer
-            assert kv["reattended"] > 0
+        # steps that guessed wrong ran again from the guessing layer
+        assert (kv["reattended"] > 0) == (budget < 10**6 and guessing)
 
 
 def test_a_hybrid_step_checks_a_guess_after_building_the_layers_that_follow(
-    hybrid, tmp_path, monkeypatch
+    hybrid, tmp_path, monkeypatch, guessing
 ):
     """Inside a step, an attention layer's guess is checked only when the loop reaches the
     next attention layer (or the end): the Gated DeltaNet layers between are built (their
-    state marked) first, and a wrong guess puts them back and runs them again."""
+    state marked) first, and a wrong guess puts them back and runs them again. Waiting,
+    nothing is guessed or marked."""
     from qwen38_backend.models.gated_deltanet import GatedDeltaNetState
 
     events = []
@@ -307,6 +320,9 @@ def test_a_hybrid_step_checks_a_guess_after_building_the_layers_that_follow(
     ref, _ = greedy(hybrid.net, ids, factory(None, 4 * P, pool_pages=None), n=20)
     out, _ = greedy(hybrid.net, ids, factory(tmp_path, 4 * P, pool_pages=10), n=20)
     assert out == ref
+    if not guessing:
+        assert events == []
+        return
     checks = [i for i, e in enumerate(events) if e in ("right", "wrong")]
     assert "wrong" in events and "right" in events
     # 8 layers, attention every 4th: the first guess (layer 3) is checked after layers 4-6
