@@ -4,7 +4,8 @@ One model and one prefix store per example; prompts of random lengths that share
 shorten or edit what is cached (across page, chunk and buffer-growth boundaries), follow-ups,
 rewinds, Ctrl-C mid-answer (the session's cancel), cache on and off, contiguous and paged
 stores, drafting on and off. Every call's greedy tokens must equal
-the same call on a fresh state with the cache off (the reference). Where the reference itself
+the same call on a fresh state with the cache off (the reference). Sparse sessions whose pool
+spills must equal the same calls with every page resident. Where the reference itself
 had a near-tie (top-2 logits within TIE), chunking may legitimately round the other way, so
 the comparison stops at that step.
 """
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import qwen38_backend
-from qwen38_backend.kv import ContiguousKV
+from qwen38_backend.kv import ContiguousKV, PagedKV
 from qwen38_backend.prefix_store import PrefixStore
 from qwen38_backend.sampling import SamplingParams
 
@@ -200,6 +201,63 @@ def test_dense_sessions_match_cold_runs(dense, small_growth, ops):
 @given(ops=prompts(vocab=256, max_len=30))
 def test_hybrid_sessions_match_cold_runs(hybrid, small_growth, ops):
     run_sequence(hybrid, ops, max_window=200)
+
+
+# Sparse decode (Quest over 4 of the pages) with the pool capped at 6 pages per layer: pages
+# spill and come back, and the streams must equal the same calls with every page resident
+# (spilling is exact, whatever the budget), with a spilled step attending on a guess (the
+# GPU's default) and checking its selection later.
+SPARSE = {"kv_paged": "on", "kv_page_tokens": 4, "kv_topk": 16, "kv_sinks": 4, "kv_recent": 4}
+
+
+def run_spilled_and_resident(model, ops, max_window: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        sessions = [
+            model.session(cache=PrefixStore(f"{tmp}/{name}"), admission=False)
+            for name in ("resident", "spilled")
+        ]
+        pools = [{}, {"kv_pool_tokens": 24, "kv_spill_dir": f"{tmp}/spill"}]
+        previous: list[int] = []
+        for n, op in enumerate(ops):
+            kind, cut, extra, max_tokens, cache, _, rewind, draft, cancel_after = op
+            if kind == "extend":
+                ids = previous + extra
+            elif kind == "edit":
+                ids = previous[: max(len(previous) - cut, 0)] + extra
+            else:
+                ids = list(extra)
+            ids = ids[-max_window:]
+            streams = []
+            for session, pool in zip(sessions, pools, strict=True):
+                session.cache = cache
+                cancel = threading.Event()
+                options = {**SPARSE, **pool, **DRAFT_CHOICES[draft]}
+                with spy_tokens(model, cancel, cancel_after) as got:
+                    list(
+                        session.generate(
+                            ids, max_tokens=max_tokens, stop_token_ids=[], cancel=cancel, **options
+                        )
+                    )
+                streams.append(got)
+                if rewind and session.state.can_rewind_to(session.state.offset - rewind):
+                    session.rewind(rewind)
+            assert streams[1] == streams[0], f"call {n} ({kind})"
+            assert sessions[1].state.tokens == sessions[0].state.tokens
+            previous = sessions[0].state.tokens
+
+
+@PROPERTY
+@given(ops=prompts(vocab=256, max_len=60))
+def test_spilled_sparse_hybrid_sessions_match_resident_ones(hybrid, small_growth, monkeypatch, ops):
+    monkeypatch.setattr(PagedKV, "attend_on_guess", True)
+    run_spilled_and_resident(hybrid, ops, max_window=200)
+
+
+@PROPERTY
+@given(ops=prompts(vocab=512, max_len=60))
+def test_spilled_sparse_dense_sessions_match_resident_ones(dense, small_growth, monkeypatch, ops):
+    monkeypatch.setattr(PagedKV, "attend_on_guess", True)
+    run_spilled_and_resident(dense, ops, max_window=200)
 
 
 @pytest.mark.parametrize("extra", [330, 3 * ContiguousKV.step])
