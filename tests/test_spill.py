@@ -222,8 +222,10 @@ def test_a_step_without_misses_refreshes_its_selection_without_pins(tmp_path):
 
 
 def test_decode_evictions_find_pages_already_written(tmp_path, monkeypatch):
-    """A fetch evicts pages; the next selection writes the reserve behind again, so a decode
-    step's evictions find pages already on disk instead of writing them while it waits."""
+    """A fetch evicts pages; the next selection queues the reserve behind again, so a decode
+    step's evictions find pages already written or queued to the writer thread, instead of
+    writing them while it waits. (Whether a queued write has finished by the eviction
+    depends on the thread's timing: the test counts evictions that had to queue a write.)"""
     from qwen38_backend.kv.spill import SpillRegion
 
     k, v = rows(400, seed=3)
@@ -234,7 +236,9 @@ def test_decode_evictions_find_pages_already_written(tmp_path, monkeypatch):
     ensure_written = SpillRegion.ensure_written
 
     def counting(self, page, kp, vp):
-        waited.append(not self.is_clean(page))
+        with self.io.cond:
+            queued = self.pending.get(page) == self.version.get(page)
+            waited.append(not self._clean(page) and not queued)
         return ensure_written(self, page, kp, vp)
 
     monkeypatch.setattr(SpillRegion, "ensure_written", counting)
@@ -246,7 +250,7 @@ def test_decode_evictions_find_pages_already_written(tmp_path, monkeypatch):
         mx.eval(store.attend(q, kn, kn, 0.35))
     # the selections churned through more than twice the written reserve (a quarter)
     assert store.pool.evictions - evicted > 2 * 24 // 4
-    assert not any(waited), f"{sum(waited)} evictions wrote a page synchronously"
+    assert not any(waited), f"{sum(waited)} evictions had to queue their page's write"
 
 
 def test_selection_larger_than_the_pool_is_refused(tmp_path):

@@ -471,7 +471,7 @@ class PagedKV:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """Append k/v [1, Hkv, T, D], then causal attention of q [1, Hq, T, D] over the pages."""
-        return self.attend_then(q, k, v, scale, None)
+        return self.attend_then(q, k, v, scale, lambda out: out)
 
     def attend_then(
         self,
@@ -479,14 +479,13 @@ class PagedKV:
         k: mx.array,
         v: mx.array,
         scale: float,
-        then: Callable[[mx.array], mx.array] | None,
+        then: Callable[[mx.array], mx.array],
     ) -> mx.array:
         """then(attend(q, k, v, scale)), where `then` is the rest of the layer and keeps no
         state (layers.py decode_attention): a spilled Quest step hands both to the device
         before it reads its selection on the host (_attend_checked)."""
-        finish = then if then is not None else (lambda out: out)
         if self._retry is not None:  # a wrong guess, fetched: its rows are stored already
-            return self._attend_retry(q, scale, finish)
+            return self._attend_retry(q, scale, then)
         self.append(k[0], v[0])
         T = q.shape[2]
         if T == 1 and not _PREFILLING.get():
@@ -496,12 +495,12 @@ class PagedKV:
                 return self._attend_selected(q, scale, n_pages, n_sel, then)
             self.stats["pages_selected"] += n_pages * k.shape[1]
             self.stats["kv_read_bytes"] += self.length * (k[0, :, 0].nbytes + v[0, :, 0].nbytes)
-            return finish(self._attend_dense(q, k, v, scale))
+            return then(self._attend_dense(q, k, v, scale))
         past = self.length - T
         if T <= STEP_MAX_ROWS and self.dense_from(past + 1):
             # a step (a speculative verify): each row as the dense decode step at its position
-            return finish(self._attend_dense(q, k, v, scale))
-        return finish(
+            return then(self._attend_dense(q, k, v, scale))
+        return then(
             attend_past(
                 q,
                 past,
@@ -616,9 +615,8 @@ class PagedKV:
         scale: float,
         n_pages: int,
         n_sel: int,
-        then: Callable[[mx.array], mx.array] | None = None,
+        then: Callable[[mx.array], mx.array],
     ) -> mx.array:
-        finish = then if then is not None else (lambda out: out)
         if self.profile:
             mx.eval(q, self.pool.k, self.pool.v, self.kmin, self.kmax)
             t0 = time.perf_counter()
@@ -628,7 +626,7 @@ class PagedKV:
         self._count_selected(n_pages, n_sel, n_rows)
         # (a shared selection's rows are one row broadcast)
         chosen = pages[:1] if self.shared else pages
-        if self.table.n_spilled and then is not None and self._guessing():
+        if self.table.n_spilled and self._guessing():
             return self._attend_checked(q, scale, pages, chosen, n_rows, then)
         if self.profile:
             mx.eval(pages)
@@ -648,7 +646,7 @@ class PagedKV:
             mx.eval(out)
             self.stats["select_seconds"] += t1 - t0
             self.stats["attend_seconds"] += time.perf_counter() - t1
-        return finish(out)
+        return then(out)
 
     def _attend_checked(
         self,
