@@ -1,6 +1,8 @@
 """Where a Quest decode step with a spilling page pool spends its time (host side).
 
     python benchmarks/profile_spill_gpu.py --layers 16 --length 32768 --pool-tokens 8192
+    python benchmarks/profile_spill_gpu.py --layers 64 --length 262144 --pool-tokens 65536 \
+        --churn 0.25 --runs 2 --wait-first --restore    # one prefill: fits a 10-minute call
 
 Prefills one paged state fully resident and one with a capped pool (pages spilled), then
 decodes `--runs` x `--decode` tokens on each after the prompt (rewinding to its end after
@@ -165,6 +167,12 @@ def main() -> None:
         "(PagedKV.attend_on_guess off: the path before issue 12's session 13)",
     )
     ap.add_argument(
+        "--restore",
+        action="store_true",
+        help="fill the spilled state by restoring the resident one's snapshot instead of a "
+        "second prefill (same tokens: a 64-layer pair at 262K fits one 10-minute call)",
+    )
+    ap.add_argument(
         "--wait-only", action="store_true", help="every spilled run waits for its selection"
     )
     ap.add_argument("--out", default=None)
@@ -187,17 +195,24 @@ def main() -> None:
         kv["kv_page_tokens"] = args.page_tokens
     spill_dir = tempfile.mkdtemp(prefix="qwen38-spill-")
     result: dict = {"environment": environment(), "args": vars(args)}
+    snapshot = None
     for label, extra in (
         ("resident", {}),
         ("spilled", {"kv_pool_tokens": args.pool_tokens, "kv_spill_dir": spill_dir}),
     ):
         state = model.new_state(**kv, **extra)
         t = time.perf_counter()
-        logits = model.prefill(prompt(args.length, vocab), state, chunk=args.chunk)
-        mx.eval(logits)
-        prefill_seconds = time.perf_counter() - t
+        if snapshot is not None:  # --restore: the resident prompt's state, spilled on the way
+            state.restore(snapshot)
+            snapshot = None
+            prefill_seconds = None
+        else:
+            logits = model.prefill(prompt(args.length, vocab), state, chunk=args.chunk)
+            mx.eval(logits)
+            prefill_seconds = time.perf_counter() - t
         state.save_point()  # each run rewinds to the prompt's end
         step_times(model, state, logits, 4)  # warm: compiles the decode graph
+        restore_seconds = time.perf_counter() - t if prefill_seconds is None else None
         n_attn = len(attention_layers(state))
         medians, rates, per_layer_step, redone = [], [], [], []
         waiting: list[float] = []  # --wait-first: the same runs, waiting for each selection
@@ -220,6 +235,7 @@ def main() -> None:
         profile.disable()
         row = {
             "prefill_seconds": prefill_seconds,
+            "restore_and_warm_seconds": restore_seconds,
             "prefill_chunk": args.chunk or model.prefill_chunk,
             "attention_layers": n_attn,
             "median_step_s": statistics.median(medians),
@@ -237,8 +253,10 @@ def main() -> None:
         }
         result[label] = row
         print(json.dumps({label: {k: v for k, v in row.items() if "top" not in k}}), flush=True)
+        if args.restore and label == "resident":
+            snapshot = state.snapshot()  # shares the pool's buffers: no copy of the KV
         state.close()
-        del state, logits
+        del state
         mx.clear_cache()
     shutil.rmtree(spill_dir, ignore_errors=True)
     extra_s = result["spilled"]["median_step_s"] - result["resident"]["median_step_s"]
