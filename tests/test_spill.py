@@ -253,6 +253,32 @@ def test_decode_evictions_find_pages_already_written(tmp_path, monkeypatch):
     assert not any(waited), f"{sum(waited)} evictions had to queue their page's write"
 
 
+def test_a_write_far_longer_than_the_pool_queues_its_evictions_in_batches(tmp_path, monkeypatch):
+    """A restore (one append of a whole layer) into a small pool evicts the pool once per
+    piece: each piece's evictions are queued to the writer in one batch first, so no
+    eviction copies its page to the host and writes it by itself (one wait per page)."""
+    from qwen38_backend.kv.table import PageTable
+
+    copies = []
+    page_rows = PageTable.page_rows
+
+    def counting(self, slots, gathered=None):
+        copies.append(len(slots))
+        return page_rows(self, slots, gathered)
+
+    monkeypatch.setattr(PageTable, "page_rows", counting)
+    k, v = rows(100 * P, seed=4)
+    store = PagedKV(page_tokens=P, budget=4 * P, sinks=P, recent=P, pool_pages=12,
+                    spill=SpillFile(tmp_path))  # fmt: skip
+    store.append(mx.array(k), mx.array(v))
+    assert store.table.n_spilled == 100 - 12
+    assert sum(copies) >= 100 - 12 and 1 not in copies, copies
+    keys, values = store._dense_kv()  # every page reads back as written
+    np.testing.assert_array_equal(np.array(keys[0]), k)
+    np.testing.assert_array_equal(np.array(values[0]), v)
+    store.close()
+
+
 def test_selection_larger_than_the_pool_is_refused(tmp_path):
     k, v = rows(200, seed=2)
     store = PagedKV(page_tokens=P, budget=12 * P, sinks=P, recent=P, pool_pages=6,

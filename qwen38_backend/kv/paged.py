@@ -206,13 +206,15 @@ class PagedKV:
             "context"
         )
 
-    def _behind_pages(self) -> list[int]:
-        """Least recently used dirty sealed pages to queue for the spill file, so that a
-        quarter of a bounded pool is empty or on disk and evictions need not wait for writes."""
+    def _behind_pages(self, reserve: int | None = None) -> list[int]:
+        """Least recently used dirty sealed pages to queue for the spill file, so that
+        `reserve` slots (default: a quarter of a bounded pool) are empty or on disk and
+        evictions need not wait for writes."""
         region, pool = self.table.spill, self.pool
         if region is None or pool.max_pages is None or region.failed:
             return []
-        need = self._behind_reserve() - (pool.free_slots + pool.max_pages - pool.capacity)
+        reserve = self._behind_reserve() if reserve is None else reserve
+        need = reserve - (pool.free_slots + pool.max_pages - pool.capacity)
         candidates = []
         for slot in pool.victims():
             if len(candidates) >= need:
@@ -225,12 +227,13 @@ class PagedKV:
     def _behind_reserve(self) -> int:
         return max((self.pool.max_pages or 0) // 4, 1)
 
-    def _write_behind(self) -> None:
-        """Queue _behind_pages() (not waited for) when pages were sealed since the last look."""
+    def _write_behind(self, reserve: int | None = None) -> None:
+        """Queue _behind_pages(reserve) (not waited for) when pages were sealed since the
+        last look."""
         if self.table.n_sealed == self._behind_at:
             return
         self._behind_at = self.table.n_sealed
-        todo = self._behind_pages()
+        todo = self._behind_pages(reserve)
         if todo:
             self.table.write_behind(todo)
 
@@ -245,13 +248,15 @@ class PagedKV:
         T = kr.shape[1]
         meta = self.quest if meta is None else meta
         self.pool.bind(kr, vr)
-        self._write_behind()
         done = 0
         while done < T:
             start = self.length
             room = self.pool.room()
             n = T - done
             need = -(-(start + n) // P) - len(self.table)
+            # The pages this piece will evict go to the writer in one batch now (a restore
+            # far longer than the pool evicts all of it per piece), not one copy each later.
+            self._write_behind(max(min(need, room), self._behind_reserve()))
             if need > room:
                 # As many whole pages as fit (the open page's rest counts first).
                 n = max(room * P + (len(self.table) * P - start), 1)

@@ -401,6 +401,11 @@ class SpillRegion:
         if self.failed:
             return False
         self.submit(page, k, v)
+        return self.wait_written(page)
+
+    def wait_written(self, page: int) -> bool:
+        """Wait for the page's queued write; False when the tier has failed (or nothing
+        queued could make it clean)."""
         self.io.wait(lambda: self.is_clean(page))
         return self.is_clean(page) and not self.failed
 

@@ -32,6 +32,8 @@ class SpillTier(Protocol):
 
     def ensure_written(self, page: int, k: np.ndarray, v: np.ndarray) -> bool: ...
 
+    def wait_written(self, page: int) -> bool: ...
+
     def is_clean(self, page: int) -> bool: ...
 
     def unqueued(self, pages: list[int]) -> list[int]: ...
@@ -130,8 +132,12 @@ class PageTable:
         if self.spill.failed:
             return False  # after a failure pages stay resident (reads would raise it)
         if not self.spill.is_clean(page):
-            (k, v) = self.page_rows([slot])[0]
-            if not self.spill.ensure_written(page, k, v):
+            if self.spill.unqueued([page]):  # not on its way: copy it out and write it now
+                (k, v) = self.page_rows([slot])[0]
+                written = self.spill.ensure_written(page, k, v)
+            else:  # written behind already (one batched copy): wait for that write
+                written = self.spill.wait_written(page)
+            if not written:
                 return False
         self.slots[page] = SPILLED
         self.n_spilled += 1  # counted, not recounted: evictions come by the hundred
