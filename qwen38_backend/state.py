@@ -269,6 +269,8 @@ class SequenceState:
                 if guess is not None and (layer is None or not hasattr(layer, "mark")):
                     at, h_in, marks = guess
                     guess = None
+                    if not (eager and i % eager == 0):  # layer_built did not hand h over
+                        mx.async_eval(h)  # the device runs what is built while the host checks
                     if not self.layers[at].check_guess():
                         for later, mark in marks:
                             later.back_to(mark)

@@ -359,6 +359,50 @@ def test_a_hybrid_step_checks_a_guess_after_building_the_layers_that_follow(
     assert events[checks[0] - 3 : checks[0]] == ["mark"] * 3
 
 
+def test_without_per_layer_hand_over_a_step_hands_over_what_it_built_before_a_check(
+    hybrid, tmp_path, monkeypatch
+):
+    """QWEN38_EAGER_LAYERS=0 (no hand-over per layer): before it waits on a guess's check,
+    the loop hands the layers built since the guess to the device."""
+    from qwen38_backend.models.gated_deltanet import GatedDeltaNetState
+
+    monkeypatch.setenv("QWEN38_EAGER_LAYERS", "0")
+    monkeypatch.setattr(PagedKV, "attend_on_guess", True)
+    events = []
+    check, mark, hand = PagedKV.check_guess, GatedDeltaNetState.mark, mx.async_eval
+
+    def checking(self):
+        events.append("check")
+        return check(self)
+
+    def marking(self):
+        events.append("mark")
+        return mark(self)
+
+    def handing(*arrays):
+        events.append("hand")
+        return hand(*arrays)
+
+    monkeypatch.setattr(PagedKV, "check_guess", checking)
+    monkeypatch.setattr(GatedDeltaNetState, "mark", marking)
+    monkeypatch.setattr(mx, "async_eval", handing)
+    ids = prompt(120, hybrid.config.vocab_size, seed=3)
+    ref, _ = greedy(hybrid.net, ids, factory(None, 4 * P, pool_pages=None), n=12)
+    events.clear()
+    out, _ = greedy(hybrid.net, ids, factory(tmp_path, 4 * P, pool_pages=10), n=12)
+    assert out == ref
+    checks = [i for i, e in enumerate(events) if e == "check"]
+    marked, previous = 0, -1
+    for at in checks:  # layers built after the guess: handed over, then the check
+        window = events[previous + 1 : at]
+        if "mark" in window:
+            last_mark = len(window) - 1 - window[::-1].index("mark")
+            assert "hand" in window[last_mark + 1 :], window
+            marked += 1
+        previous = at
+    assert marked > 0
+
+
 def test_engine_options_spill(dense, tmp_path):
     ids = prompt(150, dense.config.vocab_size, seed=4)
     opts = {"kv_topk": 4 * P, "kv_page_tokens": P, "kv_sinks": P, "kv_recent": P}
