@@ -93,15 +93,12 @@ def test_plan_scratch_matches_the_measured_peak(models, measured):
         assert 0.75 * plan <= peak <= 1.25 * plan, (layers, peak, plan)
 
 
-@pytest.mark.parametrize("halves", [False, True])
-def test_prefill_waits_for_layers_so_few_are_queued(monkeypatch, halves):
-    """A prefill chunk queues each layer (or each half of it: PREFILL_HALF_LAYERS) on the
-    device and then waits for the part PREFILL_LAYERS_AHEAD before it, so the host never has
-    more parts' buffers queued (on a GPU a host running ahead queued every layer's at once)."""
+def test_prefill_waits_for_layers_so_few_are_queued(monkeypatch):
+    """A prefill chunk queues each layer on the device and then waits for the layer
+    PREFILL_LAYERS_AHEAD before it, so the host never has more layers' buffers queued (on a
+    GPU a host running ahead queued every layer's at once)."""
     from qwen38_backend import state as state_module
 
-    monkeypatch.setattr(state_module, "PREFILL_HALF_LAYERS", halves)
-    parts = 16 if halves else 8
     model = qwen3_5_model(8)
     state = model.new_state()
     queued, waited = [], set()
@@ -120,19 +117,5 @@ def test_prefill_waits_for_layers_so_few_are_queued(monkeypatch, halves):
     monkeypatch.setattr(mx, "async_eval", on_queue)
     monkeypatch.setattr(mx, "eval", on_eval)
     model.forward(list(range(3, 3 + CHUNK)), state)
-    assert len(queued) == parts
-    assert sum(id(a) in waited for a in queued) == parts - state_module.PREFILL_LAYERS_AHEAD
-
-
-def test_prefill_in_halves_gives_the_same_logits(monkeypatch):
-    """Handing each block over in two halves changes when the device runs them, not what."""
-    from qwen38_backend import state as state_module
-
-    model = qwen3_5_model(4)
-    ids = list(range(3, 3 + 2 * CHUNK + 17))
-    logits = []
-    for halves in (False, True):
-        monkeypatch.setattr(state_module, "PREFILL_HALF_LAYERS", halves)
-        state = model.new_state(kv_paged="on")
-        logits.append(model.prefill(ids, state, chunk=CHUNK))
-    assert mx.array_equal(logits[0], logits[1]).item()
+    assert len(queued) == 8
+    assert sum(id(a) in waited for a in queued) == 8 - state_module.PREFILL_LAYERS_AHEAD
