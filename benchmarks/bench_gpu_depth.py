@@ -112,12 +112,6 @@ def main() -> None:
         help="state.PREFILL_LAYERS_AHEAD: prefill layers queued ahead of the one waited for",
     )
     ap.add_argument(
-        "--half-layers",
-        type=int,
-        default=None,
-        help="state.PREFILL_HALF_LAYERS (1: a prefill hands each block over in two halves)",
-    )
-    ap.add_argument(
         "--quest-ops",
         action="store_true",
         help="Quest decode without its kernels: page keys by MLX ops "
@@ -141,8 +135,6 @@ def main() -> None:
 
     if args.layers_ahead is not None:
         state_module.PREFILL_LAYERS_AHEAD = args.layers_ahead
-    if args.half_layers is not None:
-        state_module.PREFILL_HALF_LAYERS = bool(args.half_layers)
     if args.churn is not None:
         from profile_spill_gpu import WanderingSelection
 
@@ -164,7 +156,6 @@ def main() -> None:
         "weights_bytes": weights_bytes,
         "budget": args.budget,
         "prefill_layers_ahead": state_module.PREFILL_LAYERS_AHEAD,
-        "prefill_half_layers": state_module.PREFILL_HALF_LAYERS,
         "quest_kernels": not args.quest_ops,
         "churn": args.churn,
         "settings": settings(),

@@ -5,8 +5,8 @@
 Qwen3.8-27B dims (random bf16, bench_gpu_27b.random_model), paged KV, a few layers (the
 transient of a chunk is per layer, not per model: the layers run one or two at a time). The
 state is prefilled to each depth with the engine's prefill; then one more chunk is run for
-every (chunk, layers ahead, halves) triple and cut back (a save point), measuring the peak
-above what was resident before it (after a reset) and the chunk's time. With `ahead` 0 each layer is
+every (chunk, layers ahead) pair and cut back (a save point), measuring the peak above what
+was resident before it (after a reset) and the chunk's time. With `ahead` 0 each layer is
 waited for, and the peak of every layer is recorded alone (`layers`): what one Gated
 DeltaNet block and one attention block hold at that depth.
 """
@@ -35,9 +35,6 @@ def main() -> None:
     ap.add_argument("--depths", type=ints, default=[32768, 131072, 262144])
     ap.add_argument("--chunks", type=ints, default=[1024, 2048])
     ap.add_argument("--ahead", type=ints, default=[0, 1])
-    ap.add_argument(
-        "--halves", type=ints, default=[0], help="state.PREFILL_HALF_LAYERS values (0, 1)"
-    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -55,7 +52,7 @@ def main() -> None:
     kinds = config["text_config"]["layer_types"]
     rows: list[dict] = []
 
-    def run_chunk(depth: int, chunk: int, ahead: int, halves: int) -> dict:
+    def run_chunk(depth: int, chunk: int, ahead: int) -> dict:
         per_layer: list[dict] = []
         built = state.layer_built
 
@@ -69,7 +66,6 @@ def main() -> None:
                 mx.reset_peak_memory()
 
         state_module.PREFILL_LAYERS_AHEAD = ahead
-        state_module.PREFILL_HALF_LAYERS = bool(halves)
         state.layer_built = traced
         mx.synchronize()
         mx.clear_cache()
@@ -88,7 +84,6 @@ def main() -> None:
             "depth": depth,
             "chunk": chunk,
             "ahead": ahead,
-            "halves": halves,
             "over_bytes": over,
             "over_per_chunk_token": over / chunk,
             "seconds": seconds,
@@ -103,15 +98,14 @@ def main() -> None:
         state.save_point()
         for chunk in args.chunks:
             for ahead in args.ahead:
-                for halves in args.halves:
-                    run_chunk(depth, chunk, ahead, halves)  # warm-up: compiles for this shape
-                    rows.append(run_chunk(depth, chunk, ahead, halves))
-                    r = rows[-1]
-                    print(
-                        f"depth {depth} chunk {chunk} ahead {ahead} halves {halves}: "
-                        f"{r['over_bytes'] / 2**30:.2f} GiB over, {r['tok_s']:.0f} tok/s",
-                        flush=True,
-                    )
+                run_chunk(depth, chunk, ahead)  # warm-up: compiles for this shape
+                rows.append(run_chunk(depth, chunk, ahead))
+                r = rows[-1]
+                print(
+                    f"depth {depth} chunk {chunk} ahead {ahead}: "
+                    f"{r['over_bytes'] / 2**30:.2f} GiB over, {r['tok_s']:.0f} tok/s",
+                    flush=True,
+                )
     state_module.PREFILL_LAYERS_AHEAD = 1
     write_json(
         {

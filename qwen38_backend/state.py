@@ -13,7 +13,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,24 +30,6 @@ PREFILL_LAYERS_AHEAD = 1
 # Set while SequenceState.run_layers runs a step: a layer that attended on a guess may leave
 # its check to the loop (PagedKV._attend_checked); elsewhere it checks at once.
 _CHECKS_LATER: ContextVar[bool] = ContextVar("qwen38_checks_later", default=False)
-
-# Whether a prefill chunk hands each block to the device in two halves (token mixer, then
-# MLP) instead of whole, waiting for the half before the one it queues. On CUDA the
-# buffers of the work queued ahead of the device stay allocated until it ran, so the
-# unit of hand-over bounds the chunk's transient (a 27B Gated DeltaNet block holds ~1.4 GiB
-# at a 2048-token chunk, most of it in its mixer).
-PREFILL_HALF_LAYERS = False
-# Set while SequenceState.run_layers runs a prefill chunk in halves: blocks call pace().
-_PACE: ContextVar[Callable[[mx.array], None] | None] = ContextVar("qwen38_pace", default=None)
-
-
-def pace(h: mx.array) -> None:
-    """Called by a block on a prefill chunk between its token mixer and its MLP (h: the
-    rows after the mixer): hands them over with the layer's new state when run_layers
-    runs the chunk in halves (PREFILL_HALF_LAYERS); does nothing otherwise."""
-    hand_over = _PACE.get()
-    if hand_over is not None:
-        hand_over(h)
 
 
 def checks_later() -> bool:
@@ -246,21 +227,16 @@ class SequenceState:
         weights + KV at a 2048-token chunk), while one layer queued keeps the device busy.
         A step hands `out` over every `eager` layers (eager_layers)."""
         if rows > STEP_MAX_ROWS:
-            self._hand_over(out, index)
+            arrays: list[mx.array] = []
+            collect_arrays(self.layers[index], arrays, set())
+            mx.async_eval(out, *arrays)
+            self._queued.append(out)
+            if len(self._queued) > PREFILL_LAYERS_AHEAD:
+                mx.eval(self._queued.popleft())
             if index >= len(self.layers) - 1:
                 self._queued.clear()  # the chunk's end: evaluated with it, pinned by nothing
         elif eager and (index + 1) % eager == 0:
             mx.async_eval(out)
-
-    def _hand_over(self, out: mx.array, index: int) -> None:
-        """Queue `out` and layer `index`'s state on the device, then wait for the part
-        queued PREFILL_LAYERS_AHEAD before it (a prefill chunk's pacing: layer_built)."""
-        arrays: list[mx.array] = []
-        collect_arrays(self.layers[index], arrays, set())
-        mx.async_eval(out, *arrays)
-        self._queued.append(out)
-        if len(self._queued) > PREFILL_LAYERS_AHEAD:
-            mx.eval(self._queued.popleft())
 
     def run_layers(
         self, blocks: Sequence[Callable], h: mx.array, offset: int, rows: int
@@ -280,14 +256,8 @@ class SequenceState:
             raise ValueError(f"{len(blocks)} layers for a state of {len(self.layers)}")
         eager = self.eager_layers(rows)
         if rows != 1 or not self.reads_back():
-            halves = rows > STEP_MAX_ROWS and PREFILL_HALF_LAYERS
             for i, block in enumerate(blocks):
-                token = _PACE.set(partial(self._hand_over, index=i)) if halves else None
-                try:
-                    h = block(h, self.layers[i], offset)
-                finally:
-                    if token is not None:
-                        _PACE.reset(token)
+                h = block(h, self.layers[i], offset)
                 self.layer_built(i, h, rows, eager)
             return h
         token = _CHECKS_LATER.set(True)

@@ -10,7 +10,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..rows import STEP_MAX_ROWS, forward_pad, kernel_dtype, project, quantized_mode, split_rows
-from ..state import pace
 from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
 
 
@@ -291,7 +290,6 @@ class PreNormBlock(nn.Module):
         if h.shape[0] <= STEP_MAX_ROWS and self.compile_decode:
             return self.decode_attention(h, kv, offset)
         h = h + self.self_attn(self.input_layernorm(h), kv, offset)
-        pace(h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode_attention(self, h: mx.array, kv, offset: int) -> mx.array:

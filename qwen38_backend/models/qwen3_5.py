@@ -14,7 +14,7 @@ from .. import rows
 from ..config import LINEAR, Qwen35Config
 from ..kv.contiguous import ContiguousKV
 from ..rows import STEP_MAX_ROWS
-from ..state import SequenceState, pace
+from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
 from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, rope_from_config
@@ -75,7 +75,6 @@ class Qwen35Block(PreNormBlock):
         if h.shape[0] <= STEP_MAX_ROWS and self.compile_decode:
             return self.decode_linear(h, layer_state)
         h = h + self.linear_attn(self.input_layernorm(h), layer_state)
-        pace(h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode_linear(self, h: mx.array, state: GatedDeltaNetState) -> mx.array:
