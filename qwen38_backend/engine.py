@@ -128,6 +128,7 @@ class Model:
         chunk's trunk features (the MTP head's history: speculative.prefill_observer)."""
         if not ids:
             raise InvalidOptionError("cannot prefill an empty prompt")
+        self.check_ids(ids)
         chunk = chunk or self.prefill_chunk
         logits = None
         with prefilling():  # dense attention however few rows a chunk has (kv/paged.py)
@@ -149,9 +150,25 @@ class Model:
                     state.reserve(len(ids) + then - len(part))
         return logits[-1]
 
+    def check_ids(self, ids: list[int]) -> None:
+        """Raise InvalidOptionError unless every id is a row of the embedding: MLX does not
+        bounds-check a lookup, so an id past the vocabulary reads other memory (garbage
+        logits, NaN, or a crash)."""
+        if not ids:
+            return
+        vocab = self.net.config.vocab_size
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise InvalidOptionError(
+                f"token id {bad} (position {ids.index(bad)}) is outside this model's "
+                f"vocabulary of {vocab} ids (0..{vocab - 1})"
+            )
+
     def logits(self, token_ids: Iterable[int]) -> np.ndarray:
         """One full forward over token_ids with a fresh state: float32 [len, vocab]."""
         ids = [int(t) for t in token_ids]
+        self.check_ids(ids)
         out = self.net(mx.array(ids, dtype=mx.int32), self.new_state())
         return np.array(out.astype(mx.float32))
 

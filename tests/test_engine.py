@@ -7,6 +7,7 @@ import pytest
 from helpers import dense_fixture
 
 import qwen38_backend
+from qwen38_backend.errors import InvalidOptionError
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +89,24 @@ def test_stop_string_cuts_text(model):
     cut = "".join(e.text for e in events if e.type in ("text", "reasoning"))
     assert cut == full[: full.index(stop)]
     assert events[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("bad", ["past", "negative"])
+def test_a_token_id_outside_the_vocabulary_is_refused_before_work(model, bad):
+    """MLX does not bounds-check an embedding lookup: an id past the vocabulary read other
+    memory (NaN logits, or a crash once freed buffers were reused). It is refused with the id,
+    its position and the vocabulary size, and the state is left as it was."""
+    vocab = model.net.config.vocab_size
+    wrong = vocab if bad == "past" else -1
+    state = model.new_state()
+    model.prefill([5, 6, 7], state)
+    with pytest.raises(InvalidOptionError, match=rf"token id {wrong} \(position 2\)"):
+        model.prefill([8, 9, wrong, 10], state)
+    assert state.offset == 3
+    with pytest.raises(InvalidOptionError, match=f"vocabulary of {vocab} ids"):
+        list(model.generate_tokens([1, wrong], max_tokens=2))
+    with pytest.raises(InvalidOptionError):
+        model.logits([wrong])
+    # the state still continues exactly like a fresh one
+    model.prefill([8, 9], state)
+    assert state.offset == 5
