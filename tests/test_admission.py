@@ -319,7 +319,7 @@ def test_a_live_conversations_own_spill_file_counts_as_free(dense, monkeypatch, 
     assert session.last_stats.cached_tokens >= len(first)  # the live state went on
     other = dense.session(cache=False, **kv)
     with pytest.raises(AdmissionError, match="short by"):
-        next(other.generate(list(range(600, 1000)), max_tokens=8))
+        next(other.generate([i % 500 + 10 for i in range(600, 1000)], max_tokens=8))
     session.close()
 
 
@@ -334,7 +334,8 @@ def test_a_replaced_live_state_goes_before_a_restore_fills_the_new_one(
 
     kv = {"kv_pool_tokens": 64, "kv_page_tokens": 8, "kv_spill_dir": str(tmp_path / "spill")}
     session = dense.session(cache=PrefixStore(tmp_path / "store"), **kv)
-    a, b = list(range(10, 300)), list(range(300, 590))
+    # ids within the fixture's 512-id vocabulary; b is not a continuation of a
+    a, b = list(range(10, 300)), list(range(300, 502)) + list(range(11, 99))
     for ids in (a, b):
         list(session.generate(ids, max_tokens=4, stop_token_ids=[]))
     live = session.state.spill_bytes()
