@@ -90,7 +90,7 @@ def test_bf16_blocks_err_like_the_fused_attention():
     assert 0 < err <= 2 * fused_err, (err, fused_err)
 
 
-def test_a_bf16_walk_holds_no_fp32_copy_of_its_scores():
+def test_a_bf16_walk_holds_no_fp32_copy_of_its_scores(monkeypatch):
     """A bf16 store's scores stay bf16 until exp's kernel casts them: with an fp32 copy of
     each block's scores besides, the walk held 6.6 blocks of fp32 scores (the H200: ~0.8 GiB
     more per attention layer at a 2048-token chunk); the result is the same bit for bit."""
@@ -108,31 +108,17 @@ def test_a_bf16_walk_holds_no_fp32_copy_of_its_scores():
     mx.eval(out)
     blocks = (mx.get_peak_memory() - base) / (hq * T * B * 4)
     assert blocks <= blocked_module.SCORE_BLOCKS_LIVE, blocks
-    # the same walk with the scores cast to fp32 first (the old form): identical output
-    qs = (q.squeeze(0).astype(mx.float32) * 0.125).astype(k.dtype).reshape(hkv, 4 * T, d)
-    carry = None
-    for kb, vb in past:
-        s = (qs @ kb.squeeze(0).swapaxes(1, 2)).astype(mx.float32)
-        m_new = s.max(axis=-1, keepdims=True)
-        if carry is not None:
-            m_new = mx.maximum(carry[0], m_new)
-        p = mx.exp(s - m_new)
-        pv = (p.astype(vb.dtype) @ vb.squeeze(0)).astype(mx.float32)
+
+    def fp32_scores_first(qs, kb, vb, carry, mask=None):  # the form that kept the copy
+        s = (qs @ kb.swapaxes(1, 2)).astype(mx.float32)
+        if mask is not None:
+            s = mx.where(mask, s, mx.array(-mx.inf, mx.float32))
         if carry is None:
-            carry = (m_new, p.sum(axis=-1, keepdims=True), pv)
-        else:
-            alpha = mx.exp(carry[0] - m_new)
-            carry = (m_new, carry[1] * alpha + p.sum(axis=-1, keepdims=True), carry[2] * alpha + pv)
-    s = (qs @ k.squeeze(0).swapaxes(1, 2)).astype(mx.float32)
-    mask = (mx.arange(T)[:, None] >= mx.arange(T)[None, :])[None]
-    s = mx.where(mx.broadcast_to(mask, (4, T, T)).reshape(1, 4 * T, T), s, -mx.inf)
-    m_new = mx.maximum(carry[0], s.max(axis=-1, keepdims=True))
-    alpha = mx.exp(carry[0] - m_new)
-    p = mx.exp(s - m_new)
-    total = carry[1] * alpha + p.sum(axis=-1, keepdims=True)
-    acc = carry[2] * alpha + (p.astype(v.dtype) @ v.squeeze(0)).astype(mx.float32)
-    ref = (acc / total).reshape(1, hq, T, d).astype(mx.bfloat16)
-    assert mx.array_equal(out, ref).item()
+            return blocked_module._first_compiled(s, vb)
+        return blocked_module._merge_compiled(s, vb, *carry)
+
+    monkeypatch.setattr(blocked_module, "_carry_step", fp32_scores_first)
+    assert mx.array_equal(out, blocked_attention(q, iter(past), k, v, 0.125)).item()
 
 
 def test_the_walk_waits_for_what_came_before_it(monkeypatch):
