@@ -7,7 +7,9 @@ Qwen3.8-27B dims (random bf16, bench_gpu_27b.random_model), paged KV (the engine
 on CUDA), the engine's prefill loop (Model.prefill: chunk by chunk, the stores sized for the
 whole prompt after the first chunk), timed and traced chunk by chunk. A transient that grows
 with the depth shows as a rising `over_start` column; the reserve after the first chunk shows
-at chunk 1.
+at chunk 1. `--walk-drain none|start|block` and `--layer-settle` choose where the prefill
+settles (settle.py: waits, then lets the device release what finished work held), to compare
+their peaks and `prefill_tok_s`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import prompt, random_model  # noqa: E402
-from common import write_json  # noqa: E402
+from common import add_settle_options, apply_settle_options, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -28,10 +30,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--dtype", default="bfloat16")
+    add_settle_options(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    import time
+
     import mlx.core as mx
+
+    settled = apply_settle_options(args)
 
     from qwen38_backend.engine import state_arrays
 
@@ -46,9 +53,11 @@ def main() -> None:
         mx.clear_cache()
         mx.reset_peak_memory()
         before = mx.get_active_memory()
+        t = time.perf_counter()
         logits = model.forward(part, state, last_only=True)
         mx.eval(logits, *state_arrays(state))
         mx.synchronize()
+        seconds = time.perf_counter() - t
         peak = mx.get_peak_memory()
         after = mx.get_active_memory()
         rows.append(
@@ -57,6 +66,7 @@ def main() -> None:
                 "over_start": peak - before,
                 "over_end": peak - after,
                 "grew": after - before,
+                "seconds": seconds,
             }
         )
         if start == 0:
@@ -69,6 +79,9 @@ def main() -> None:
         "chunk": chunk,
         "weights_bytes": weights_bytes,
         "state_bytes": state.nbytes(),
+        "settle": settled,
+        "prefill_tok_s": len(ids) / sum(r["seconds"] for r in rows),
+        "over_start_gb": [round(r["over_start"] / 1e9, 2) for r in rows],
         "worst_chunk": worst,
         "chunks": rows,
     }

@@ -34,7 +34,8 @@ config and the options alone (a config dict is enough: `qwen38 info MODEL --cont
   block's chunked form where larger: models/gated_delta.py PREFILL_ROWS_LIVE; each layer is
   handed to the device as it is built, so one layer's, not all of them), the attention scores
   of one chunk (one-shot against the context while small or not fused, else the blocked
-  walk's few blocks: kv/blocked.py), and the last position's logits.
+  walk's few blocks: kv/blocked.py), and the last position's logits; on CUDA the
+  activations and scores times RELEASE_LAG (finished work's buffers are released late).
 
 `admit(plan, available)` raises AdmissionError "needs X bytes, has Y, short by Z" (RAM),
 the same for the spill file's disk, and refuses a pool too small for a sparse decode step.
@@ -66,6 +67,14 @@ from .kv.pool import grown_capacity
 from .kv.quest import META_DTYPE, forced_pages
 from .models.gated_delta import PREFILL_ROWS_LIVE
 
+# On CUDA a finished layer's (or walk block's) buffers are released on MLX's worker thread some
+# time after the device ran it (settle.py), so a chunk's peak varies run to run above the one
+# layer's scratch this plan counts: on the H200 (27B dims, 2048-token chunk, planned 3.17 GB)
+# 2.9 GB in most chunks, up to 7.2 GB over a whole 131K prefill
+# (benchmarks/results/h200/depth131k_walk_lean_run3.json; tests/test_admission.py checks
+# every committed run of this walk against the plan).
+RELEASE_LAG = 2.5
+
 PLAN_OPTIONS = frozenset(
     {
         "dtype",
@@ -74,6 +83,7 @@ PLAN_OPTIONS = frozenset(
         "prefill_chunk",
         "mtp",
         "fused_attention",
+        "release_lag",
         "available",
         "ranks",
     }
@@ -275,6 +285,7 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     prompt_tokens (how many of the context are prefilled; default all), kv_paged,
     kv_page_tokens (32), kv_pool_tokens (resident KV rows; the rest spills to disk),
     mtp (default: on when the config has an MTP head), fused_attention (default: on GPU),
+    release_lag (default: on CUDA; the prefill scratch times RELEASE_LAG),
     ranks (the model split over that many mx.distributed ranks: the plan is one rank's, with
     its share of the weights, KV heads and Gated DeltaNet heads; default: a loaded Model's
     world size, else 1).
@@ -325,7 +336,11 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     cfg = what.net.config
     plan.components += _kv_components(plan, dims, choice, schedule, available)
     plan.components += _state_components(cfg, dims, schedule, context, chunk, options)
-    add(_scratch(cfg, dims, context, chunk, options.get("fused_attention")))
+    add(
+        _scratch(
+            cfg, dims, context, chunk, options.get("fused_attention"), options.get("release_lag")
+        )
+    )
     return plan
 
 
@@ -589,10 +604,16 @@ def _state_components(
     return out
 
 
-def _scratch(cfg: Any, dims: _Dims, context: int, chunk: int, fused: bool | None) -> Component:
-    """One prefill chunk's widest activations, its attention scores and the logits."""
+def _scratch(
+    cfg: Any, dims: _Dims, context: int, chunk: int, fused: bool | None, lag: bool | None
+) -> Component:
+    """One prefill chunk's widest activations, its attention scores and the logits; where
+    the device releases finished work's buffers late (`lag`, default: CUDA), RELEASE_LAG
+    times the activations and scores."""
     if fused is None:
         fused = mx.default_device() != mx.cpu
+    if lag is None:
+        lag = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
     t = min(chunk, context)
     hq, hd = dims.hq, dims.hd
     widths = [
@@ -620,12 +641,15 @@ def _scratch(cfg: Any, dims: _Dims, context: int, chunk: int, fused: bool | None
     scores = max(one_shot, walk)
     how_scores = "blocked walk" if walk else "fused" if fused else "one-shot"
     logits = cfg.vocab_size * 4
+    factor = RELEASE_LAG if lag else 1.0
+    held = int(factor * (activ + scores))
+    lagging = f", x{factor} for buffers released late (CUDA)" if lag else ""
     return Component(
         "scratch",
-        activ + scores + logits,
+        held + logits,
         "ram",
         f"{t}-token chunk activations {activ:,} B + attention scores {scores:,} B "
-        f"({how_scores}) + logits {logits:,} B",
+        f"({how_scores}){lagging} + logits {logits:,} B",
     )
 
 

@@ -18,6 +18,7 @@ from .generation import GenerationStats, TokenStream, stop_reason
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory, prefilling
 from .sampling import Sampler, SamplingParams
 from .session import Session
+from .settle import settle
 from .speculative import DraftOptions
 from .state import SequenceState, collect_arrays
 
@@ -143,7 +144,8 @@ class Model:
                     logits = self.net.logits_from_features(feats[-1:])
                     mx.eval(feats)
                     observe(feats, part, at)
-                mx.eval(logits, *state_arrays(state))
+                # the chunk's buffers released before the next chunk allocates (settle.py)
+                settle(logits, *state_arrays(state))
                 if start == 0 and len(ids) + then > len(part):
                     # The first chunk sized the stores; room for the rest of the prompt and
                     # the decode now, in one allocation, instead of growing (x1.5, copying).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -28,3 +29,26 @@ def dense_reference(arch: str) -> tuple[list[int], np.ndarray]:
     return json.loads((d / "reference_tokens.json").read_text()), np.load(
         d / "reference_logits.npy"
     )
+
+
+@contextlib.contextmanager
+def recorded(module, *names: str):
+    """Inside: each call of module.<name> (for `names`) is appended to the yielded list by
+    name, in order, then made as usual."""
+    calls: list[str] = []
+    real = {name: getattr(module, name) for name in names}
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(module, name, recorder(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(module, name, fn)

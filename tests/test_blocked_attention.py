@@ -7,7 +7,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import DENSE_ARCHS, dense_fixture
+from helpers import DENSE_ARCHS, dense_fixture, recorded
 
 import qwen38_backend
 from qwen38_backend.kv import ContiguousKV, PagedKV, PagePool
@@ -149,6 +149,39 @@ def test_the_walk_waits_for_what_came_before_it(monkeypatch):
     monkeypatch.undo()
     mx.eval(out)
     assert calls[:2] == ["wait", "queue"], calls
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+def test_a_settled_walk_releases_each_block_before_queueing_the_next(monkeypatch, per_block):
+    """settle.py: with DRAIN_PER_BLOCK every block after the first is handed over only after
+    the block before was waited for and released (mx.synchronize), so no two blocks' buffers
+    are alive even where the device releases them late; without it the walk queues a block
+    before waiting for the one before it. The result is the same bit for bit."""
+    from qwen38_backend.kv import blocked
+
+    rng = np.random.default_rng(13)
+    hq, hkv, T, d = 4, 2, 8, 16
+    q, k, v = rand(rng, 1, hq, T, d), rand(rng, 1, hkv, T, d), rand(rng, 1, hkv, T, d)
+    past = [(rand(rng, 1, hkv, 32, d), rand(rng, 1, hkv, 32, d)) for _ in range(4)]
+    mx.eval(q, k, v, past)
+    expected = blocked_attention(q, iter(past), k, v, 0.25)
+    mx.eval(expected)
+    monkeypatch.setattr(blocked, "DRAIN_PER_BLOCK", per_block)
+    with recorded(mx, "async_eval", "eval", "synchronize") as calls:
+        out = blocked_attention(q, iter(past), k, v, 0.25)
+    mx.eval(out)
+    assert np.array_equal(np.array(out), np.array(expected))
+    walk = calls[calls.index("async_eval") :]  # from the first block's hand-over on
+    queues = [i for i, c in enumerate(walk) if c == "async_eval"]
+    assert len(queues) == len(past)
+    for before, after in zip(queues[:-1], queues[1:], strict=True):
+        between = walk[before + 1 : after]
+        if per_block:
+            assert between == ["eval", "synchronize"], walk
+        else:  # the next block queued first, then the one before it waited for
+            assert between in ([], ["eval"]), walk
+    if not per_block:
+        assert walk[:2] == ["async_eval", "async_eval"], walk
 
 
 def test_blocked_peak_memory_does_not_grow_with_the_past():

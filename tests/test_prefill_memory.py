@@ -4,7 +4,9 @@ activations, not a pile that grows with the number of layers, and the state pins
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from helpers import recorded
 
 from qwen38_backend.admission import memory_plan
 from qwen38_backend.engine import Model, state_arrays
@@ -119,3 +121,28 @@ def test_prefill_waits_for_layers_so_few_are_queued(monkeypatch):
     model.forward(list(range(3, 3 + CHUNK)), state)
     assert len(queued) == 8
     assert sum(id(a) in waited for a in queued) == 8 - state_module.PREFILL_LAYERS_AHEAD
+
+
+def test_prefill_settles_each_chunk_and_on_request_each_layer(monkeypatch):
+    """settle.py: a prefill waits for each chunk and lets the device release what it held
+    (mx.synchronize) before the next chunk allocates; with state.PREFILL_SETTLE each layer
+    is also settled before the next one is handed over, so at most one is ever queued.
+    Either way the logits are the same bit for bit."""
+    from qwen38_backend import state as state_module
+
+    model = qwen3_5_model(4)
+    ids = [3 + i % 500 for i in range(3 * CHUNK)]
+    expected = np.array(model.prefill(ids, model.new_state(), chunk=CHUNK))
+    for per_layer in (False, True):
+        monkeypatch.setattr(state_module, "PREFILL_SETTLE", per_layer)
+        with recorded(mx, "async_eval", "synchronize") as calls:
+            logits = model.prefill(ids, model.new_state(), chunk=CHUNK)
+        assert np.array_equal(np.array(logits), expected)
+        queues = calls.count("async_eval")
+        assert queues >= 3 * 4  # every layer of every chunk handed over
+        syncs = calls.count("synchronize")
+        if per_layer:  # one before every hand-over but each chunk's first, plus chunk ends
+            assert syncs >= queues - 3 + 3, calls
+            assert "async_eval async_eval" not in " ".join(calls), calls
+        else:
+            assert syncs == 3, calls  # the chunk ends

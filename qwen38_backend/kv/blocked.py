@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
 
+from ..settle import settle
+
 # Keys per block of the walk, at most. Scores of one block are [Hq, T, block] fp32: 2048 keys
 # with a 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
 BLOCK_TOKENS = 2048
@@ -45,6 +47,11 @@ ONE_SHOT_BYTES = 128 << 20
 # block's scores [Hq, T, block] fp32 (measured on the CPU, 4.5 in fp32 and 4.6 in bf16:
 # scores, their exp, the block in flight); admission plans with it.
 SCORE_BLOCKS_LIVE = 5
+# Waiting is not freeing on CUDA (settle.py): the walk settles what came before it at its
+# start (one wait per attention layer and chunk, which it did anyway), and per block when
+# DRAIN_PER_BLOCK (the device then idles while the next block is handed over).
+DRAIN_AT_START = False
+DRAIN_PER_BLOCK = False
 
 Block = tuple[mx.array, mx.array]
 
@@ -126,7 +133,10 @@ def blocked_attention(
     # frees its buffers before the first block's scores are allocated: otherwise they add up
     # (the H200: a Gated DeltaNet block's ~1.4 GiB on top of the walk's ~2.5 GiB at a
     # 2048-token chunk). The walk waits for every block anyway, so this costs one wait.
-    mx.eval(qs)
+    if DRAIN_AT_START:
+        settle(qs)
+    else:
+        mx.eval(qs)
     carry = queued = None
     for kb, vb in blocks:
         if kb.shape[2] == 0:
@@ -135,9 +145,14 @@ def blocked_attention(
         # A block read from the spill file is queued like any other (no sync per block: the
         # device keeps computing while the host reads and uploads the next one); waiting for
         # the block before bounds what is alive to two blocks.
-        mx.async_eval(carry)
-        if queued is not None:
-            mx.eval(queued)  # the block before: one block queued behind this one
+        if DRAIN_PER_BLOCK:
+            if queued is not None:
+                settle(queued)  # the block before, released, before this one is allocated
+            mx.async_eval(carry)
+        else:
+            mx.async_eval(carry)
+            if queued is not None:
+                mx.eval(queued)  # the block before: one block queued behind this one
         queued = carry
     # The chunk itself: query row r (position r % T within the chunk) sees keys <= r % T.
     rows = mx.arange(T)[:, None] >= mx.arange(T)[None, :]  # [T, T]
