@@ -201,8 +201,8 @@ def add_settle_options(ap) -> None:
     ap.add_argument(
         "--walk-drain",
         default=None,
-        choices=["none", "start", "block"],
-        help="kv/blocked.py: settle at the walk's start, also per block, or never "
+        choices=["none", "block"],
+        help="kv/blocked.py DRAIN_PER_BLOCK: settle every walk block, or not "
         "(default: the engine's)",
     )
     ap.add_argument(
@@ -220,12 +220,10 @@ def apply_settle_options(args) -> dict:
     from qwen38_backend.kv import blocked
 
     if args.walk_drain is not None:
-        blocked.DRAIN_AT_START = args.walk_drain != "none"
         blocked.DRAIN_PER_BLOCK = args.walk_drain == "block"
     if args.layer_settle is not None:
         state.PREFILL_SETTLE = args.layer_settle == "on"
     return {
-        "walk_drain_at_start": blocked.DRAIN_AT_START,
         "walk_drain_per_block": blocked.DRAIN_PER_BLOCK,
         "layer_settle": state.PREFILL_SETTLE,
     }

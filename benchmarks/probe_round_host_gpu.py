@@ -56,15 +56,17 @@ def main() -> None:
     ids = prompt(args.max_rows, vocab)
 
     def rewound(fn):
-        def run() -> float:
+        """fn run at the current position, then the state cut back to it."""
+
+        def run():
             offset = state.offset
             state.save_point()
             mx.synchronize()
-            seconds = fn()
+            value = fn()
             mx.synchronize()
             state.truncate(offset)
             state.drop_save_points()
-            return seconds
+            return value
 
         return run
 
@@ -104,17 +106,8 @@ def main() -> None:
     }
     for rows in range(1, args.max_rows + 1):
         split(rows)  # warm
-        builds, evals = [], []
-        for _ in range(args.runs):
-            offset = state.offset
-            state.save_point()
-            mx.synchronize()
-            b, e = split(rows)
-            mx.synchronize()
-            state.truncate(offset)
-            state.drop_save_points()
-            builds.append(b)
-            evals.append(e)
+        parts = [rewound(lambda r=rows: split(r))() for _ in range(args.runs)]
+        builds, evals = [b for b, _ in parts], [e for _, e in parts]
         row = {
             "build_ms": 1e3 * statistics.median(builds),
             "eval_prebuilt_ms": 1e3 * statistics.median(evals),

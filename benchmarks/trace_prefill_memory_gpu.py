@@ -7,7 +7,7 @@ Qwen3.8-27B dims (random bf16, bench_gpu_27b.random_model), paged KV (the engine
 on CUDA), the engine's prefill loop (Model.prefill: chunk by chunk, the stores sized for the
 whole prompt after the first chunk), timed and traced chunk by chunk. A transient that grows
 with the depth shows as a rising `over_start` column; the reserve after the first chunk shows
-at chunk 1. `--walk-drain none|start|block` and `--layer-settle` choose where the prefill
+at chunk 1. `--walk-drain none|block` and `--layer-settle` choose where the prefill
 settles (settle.py: waits, then lets the device release what finished work held), to compare
 their peaks and `prefill_tok_s`.
 """

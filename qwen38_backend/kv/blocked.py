@@ -47,10 +47,10 @@ ONE_SHOT_BYTES = 128 << 20
 # block's scores [Hq, T, block] fp32 (measured on the CPU, 4.5 in fp32 and 4.6 in bf16:
 # scores, their exp, the block in flight); admission plans with it.
 SCORE_BLOCKS_LIVE = 5
-# Waiting is not freeing on CUDA (settle.py): the walk settles what came before it at its
-# start (one wait per attention layer and chunk, which it did anyway), and per block when
-# DRAIN_PER_BLOCK (the device then idles while the next block is handed over).
-DRAIN_AT_START = False
+# Waiting is not freeing on CUDA (settle.py): with DRAIN_PER_BLOCK the walk settles each
+# block before handing over the next (the device idles meanwhile). Off: on the H200 it
+# bounded a 131K prefill's peak (1.05-1.07x weights + KV vs 1.06-1.10x) for 20-25% of the
+# prefill speed; settling only at each walk's start cost 12% and bounded nothing.
 DRAIN_PER_BLOCK = False
 
 Block = tuple[mx.array, mx.array]
@@ -133,10 +133,7 @@ def blocked_attention(
     # frees its buffers before the first block's scores are allocated: otherwise they add up
     # (the H200: a Gated DeltaNet block's ~1.4 GiB on top of the walk's ~2.5 GiB at a
     # 2048-token chunk). The walk waits for every block anyway, so this costs one wait.
-    if DRAIN_AT_START:
-        settle(qs)
-    else:
-        mx.eval(qs)
+    mx.eval(qs)
     carry = queued = None
     for kb, vb in blocks:
         if kb.shape[2] == 0:
