@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import decode_rate, decode_times, prompt, random_model  # noqa: E402
-from common import add_settle_options, apply_settle_options, settings  # noqa: E402
+from common import settings  # noqa: E402
 
 
 def decode(model, state, logits, n: int) -> float:
@@ -124,7 +124,12 @@ def main() -> None:
         help="Quest decode: pages of a selection replaced per step (profile_spill_gpu."
         "WanderingSelection; default: Quest's own selection)",
     )
-    add_settle_options(ap)
+    ap.add_argument(
+        "--settle-layers",
+        action="store_true",
+        help="a settled prefill: every layer and walk block waited for and released before "
+        "the next (qwen38_backend/settle.py)",
+    )
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -134,7 +139,6 @@ def main() -> None:
     from qwen38_backend import state as state_module
     from qwen38_backend.kv import collect_kv_stats, one_token
 
-    settled = apply_settle_options(args)
     if args.layers_ahead is not None:
         state_module.PREFILL_LAYERS_AHEAD = args.layers_ahead
     if args.churn is not None:
@@ -160,7 +164,7 @@ def main() -> None:
         "prefill_layers_ahead": state_module.PREFILL_LAYERS_AHEAD,
         "quest_kernels": not args.quest_ops,
         "churn": args.churn,
-        "settle": settled,
+        "settle_layers": args.settle_layers,
         "settings": settings(),
         "lengths": {},
     }
@@ -181,7 +185,7 @@ def main() -> None:
         ids = prompt(length, vocab)
         mx.synchronize()
         t = time.perf_counter()
-        logits = model.prefill(ids, state)
+        logits = model.prefill(ids, state, settle_layers=args.settle_layers)
         mx.eval(logits)
         mx.synchronize()
         seconds = time.perf_counter() - t

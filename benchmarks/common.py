@@ -194,36 +194,3 @@ def cast_in_place(model, dtype: mx.Dtype) -> None:
             value = value.astype(dtype)
         mx.eval(value)
         model.update(tree_unflatten([(name, value)]), strict=False)
-
-
-def add_settle_options(ap) -> None:
-    """--walk-drain / --layer-settle: where a prefill settles (qwen38_backend/settle.py)."""
-    ap.add_argument(
-        "--walk-drain",
-        default=None,
-        choices=["none", "block"],
-        help="kv/blocked.py DRAIN_PER_BLOCK: settle every walk block, or not "
-        "(default: the engine's)",
-    )
-    ap.add_argument(
-        "--layer-settle",
-        default=None,
-        choices=["on", "off"],
-        help="state.PREFILL_SETTLE: settle each prefill layer before the next is handed over "
-        "(default: the engine's)",
-    )
-
-
-def apply_settle_options(args) -> dict:
-    """Set what add_settle_options' flags chose; the settings in effect, for the JSON."""
-    from qwen38_backend import state
-    from qwen38_backend.kv import blocked
-
-    if args.walk_drain is not None:
-        blocked.DRAIN_PER_BLOCK = args.walk_drain == "block"
-    if args.layer_settle is not None:
-        state.PREFILL_SETTLE = args.layer_settle == "on"
-    return {
-        "walk_drain_per_block": blocked.DRAIN_PER_BLOCK,
-        "layer_settle": state.PREFILL_SETTLE,
-    }

@@ -7,9 +7,8 @@ Qwen3.8-27B dims (random bf16, bench_gpu_27b.random_model), paged KV (the engine
 on CUDA), the engine's prefill loop (Model.prefill: chunk by chunk, the stores sized for the
 whole prompt after the first chunk), timed and traced chunk by chunk. A transient that grows
 with the depth shows as a rising `over_start` column; the reserve after the first chunk shows
-at chunk 1. `--walk-drain none|block` and `--layer-settle` choose where the prefill
-settles (settle.py: waits, then lets the device release what finished work held), to compare
-their peaks and `prefill_tok_s`.
+at chunk 1. `--settle-layers` runs a settled prefill (settle.py: every layer and walk
+block waited for and released before the next), to compare peaks and `prefill_tok_s`.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import prompt, random_model  # noqa: E402
-from common import add_settle_options, apply_settle_options, write_json  # noqa: E402
+from common import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +29,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--dtype", default="bfloat16")
-    add_settle_options(ap)
+    ap.add_argument(
+        "--settle-layers",
+        action="store_true",
+        help="a settled prefill: every layer and walk block waited for and released before "
+        "the next (qwen38_backend/settle.py)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -38,9 +42,8 @@ def main() -> None:
 
     import mlx.core as mx
 
-    settled = apply_settle_options(args)
-
     from qwen38_backend.engine import state_arrays
+    from qwen38_backend.settle import settled
 
     model, config, weights_bytes = random_model(args.dims, args.layers, args.dtype)
     ids = prompt(args.length, config["text_config"]["vocab_size"])
@@ -54,8 +57,9 @@ def main() -> None:
         mx.reset_peak_memory()
         before = mx.get_active_memory()
         t = time.perf_counter()
-        logits = model.forward(part, state, last_only=True)
-        mx.eval(logits, *state_arrays(state))
+        with settled(args.settle_layers):
+            logits = model.forward(part, state, last_only=True)
+            mx.eval(logits, *state_arrays(state))
         mx.synchronize()
         seconds = time.perf_counter() - t
         peak = mx.get_peak_memory()
@@ -79,7 +83,7 @@ def main() -> None:
         "chunk": chunk,
         "weights_bytes": weights_bytes,
         "state_bytes": state.nbytes(),
-        "settle": settled,
+        "settle_layers": args.settle_layers,
         "prefill_tok_s": len(ids) / sum(r["seconds"] for r in rows),
         "over_start_gb": [round(r["over_start"] / 1e9, 2) for r in rows],
         "worst_chunk": worst,

@@ -51,6 +51,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import settle
 from .config import model_family, text_config
 from .errors import AdmissionError, InvalidOptionError
 from .kv.blocked import BLOCK_TOKENS, ONE_SHOT_BYTES, SCORE_BLOCKS_LIVE, walk_block
@@ -613,7 +614,7 @@ def _scratch(
     if fused is None:
         fused = mx.default_device() != mx.cpu
     if lag is None:
-        lag = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+        lag = settle.releases_late()
     t = min(chunk, context)
     hq, hd = dims.hq, dims.hd
     widths = [

@@ -18,7 +18,7 @@ from .generation import GenerationStats, TokenStream, stop_reason
 from .kv import KV_OPTION_KEYS, collect_kv_stats, make_kv_factory, prefilling
 from .sampling import Sampler, SamplingParams
 from .session import Session
-from .settle import settle
+from .settle import settle, settled
 from .speculative import DraftOptions
 from .state import SequenceState, collect_arrays
 
@@ -120,9 +120,12 @@ class Model:
         cancel: threading.Event | None = None,
         observe: Callable[[mx.array, list[int], int], None] | None = None,
         then: int = 0,
+        settle_layers: bool = False,
     ) -> mx.array:
         """Feed ids in chunks (bounded activation memory); return the last position's logits.
         `then`: tokens expected to follow (the decode budget), given room with the prompt.
+        `settle_layers`: settle every layer and attention block, not only every chunk
+        (settle.py: the least memory where the device releases late, at some speed).
 
         A set `cancel` raises Cancelled between chunks; the state then holds the chunks fed so
         far (a consistent, shorter prefix). `observe(features, chunk_ids, start)` sees every
@@ -132,7 +135,8 @@ class Model:
         self.check_ids(ids)
         chunk = chunk or self.prefill_chunk
         logits = None
-        with prefilling():  # dense attention however few rows a chunk has (kv/paged.py)
+        # dense attention however few rows a chunk has (kv/paged.py)
+        with prefilling(), settled(settle_layers):
             for start in range(0, len(ids), chunk):
                 check_cancel(cancel)
                 part = ids[start : start + chunk]

@@ -20,17 +20,13 @@ import mlx.core as mx
 
 from .errors import Qwen38Error
 from .rows import STEP_MAX_ROWS
-from .settle import settle
+from .settle import settle, settling
 
 # Prefill layers queued on the device ahead of the one the host waits for (layer_built).
 # 1, measured on the H200 (64 layers, 27B dims, 32K, same run): peak over weights + KV
 # 1.083x vs 1.113x with 2, prefill 4,436 vs 4,561 tok/s
 # (benchmarks/results/h200/depth32k_ahead1.json, depth32k_ahead2.json).
 PREFILL_LAYERS_AHEAD = 1
-# Settle (settle.py: wait, and let the device release what the work held) the layer before
-# a prefill layer is handed over, instead of waiting for it after: then no layer's buffers
-# outlive it on CUDA, at the cost of the device idling while a layer is handed over.
-PREFILL_SETTLE = False
 
 # Set while SequenceState.run_layers runs a step: a layer that attended on a guess may leave
 # its check to the loop (PagedKV._attend_checked); elsewhere it checks at once.
@@ -234,7 +230,7 @@ class SequenceState:
         if rows > STEP_MAX_ROWS:
             arrays: list[mx.array] = []
             collect_arrays(self.layers[index], arrays, set())
-            if PREFILL_SETTLE and self._queued:
+            if settling() and self._queued:  # a settled prefill (settle.py)
                 settle(*self._queued)
                 self._queued.clear()
             mx.async_eval(out, *arrays)

@@ -151,13 +151,13 @@ def test_the_walk_waits_for_what_came_before_it(monkeypatch):
     assert calls[:2] == ["wait", "queue"], calls
 
 
-@pytest.mark.parametrize("per_block", [False, True])
-def test_a_settled_walk_releases_each_block_before_queueing_the_next(monkeypatch, per_block):
-    """settle.py: with DRAIN_PER_BLOCK every block after the first is handed over only after
+@pytest.mark.parametrize("on", [False, True])
+def test_a_settled_walk_releases_each_block_before_queueing_the_next(on):
+    """settle.py: in a settled prefill every block after the first is handed over only after
     the block before was waited for and released (mx.synchronize), so no two blocks' buffers
     are alive even where the device releases them late; without it the walk queues a block
     before waiting for the one before it. The result is the same bit for bit."""
-    from qwen38_backend.kv import blocked
+    from qwen38_backend.settle import settled
 
     rng = np.random.default_rng(13)
     hq, hkv, T, d = 4, 2, 8, 16
@@ -166,8 +166,7 @@ def test_a_settled_walk_releases_each_block_before_queueing_the_next(monkeypatch
     mx.eval(q, k, v, past)
     expected = blocked_attention(q, iter(past), k, v, 0.25)
     mx.eval(expected)
-    monkeypatch.setattr(blocked, "DRAIN_PER_BLOCK", per_block)
-    with recorded(mx, "async_eval", "eval", "synchronize") as calls:
+    with settled(on), recorded(mx, "async_eval", "eval", "synchronize") as calls:
         out = blocked_attention(q, iter(past), k, v, 0.25)
     mx.eval(out)
     assert np.array_equal(np.array(out), np.array(expected))
@@ -176,11 +175,11 @@ def test_a_settled_walk_releases_each_block_before_queueing_the_next(monkeypatch
     assert len(queues) == len(past)
     for before, after in zip(queues[:-1], queues[1:], strict=True):
         between = walk[before + 1 : after]
-        if per_block:
+        if on:
             assert between == ["eval", "synchronize"], walk
         else:  # the next block queued first, then the one before it waited for
             assert between in ([], ["eval"]), walk
-    if not per_block:
+    if not on:
         assert walk[:2] == ["async_eval", "async_eval"], walk
 
 

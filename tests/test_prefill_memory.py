@@ -123,20 +123,17 @@ def test_prefill_waits_for_layers_so_few_are_queued(monkeypatch):
     assert sum(id(a) in waited for a in queued) == 8 - state_module.PREFILL_LAYERS_AHEAD
 
 
-def test_prefill_settles_each_chunk_and_on_request_each_layer(monkeypatch):
+def test_prefill_settles_each_chunk_and_on_request_each_layer():
     """settle.py: a prefill waits for each chunk and lets the device release what it held
-    (mx.synchronize) before the next chunk allocates; with state.PREFILL_SETTLE each layer
+    (mx.synchronize) before the next chunk allocates; with settle_layers each layer
     is also settled before the next one is handed over, so at most one is ever queued.
     Either way the logits are the same bit for bit."""
-    from qwen38_backend import state as state_module
-
     model = qwen3_5_model(4)
     ids = [3 + i % 500 for i in range(3 * CHUNK)]
     expected = np.array(model.prefill(ids, model.new_state(), chunk=CHUNK))
     for per_layer in (False, True):
-        monkeypatch.setattr(state_module, "PREFILL_SETTLE", per_layer)
         with recorded(mx, "async_eval", "synchronize") as calls:
-            logits = model.prefill(ids, model.new_state(), chunk=CHUNK)
+            logits = model.prefill(ids, model.new_state(), chunk=CHUNK, settle_layers=per_layer)
         assert np.array_equal(np.array(logits), expected)
         queues = calls.count("async_eval")
         assert queues >= 3 * 4  # every layer of every chunk handed over

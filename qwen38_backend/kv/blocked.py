@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
 
-from ..settle import settle
+from ..settle import settle, settling
 
 # Keys per block of the walk, at most. Scores of one block are [Hq, T, block] fp32: 2048 keys
 # with a 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
@@ -47,12 +47,6 @@ ONE_SHOT_BYTES = 128 << 20
 # block's scores [Hq, T, block] fp32 (measured on the CPU, 4.5 in fp32 and 4.6 in bf16:
 # scores, their exp, the block in flight); admission plans with it.
 SCORE_BLOCKS_LIVE = 5
-# Waiting is not freeing on CUDA (settle.py): with DRAIN_PER_BLOCK the walk settles each
-# block before handing over the next (the device idles meanwhile). Off: on the H200 it
-# bounded a 131K prefill's peak (1.05-1.07x weights + KV vs 1.06-1.10x) for 20-25% of the
-# prefill speed; settling only at each walk's start cost 12% and bounded nothing.
-DRAIN_PER_BLOCK = False
-
 Block = tuple[mx.array, mx.array]
 
 
@@ -142,7 +136,7 @@ def blocked_attention(
         # A block read from the spill file is queued like any other (no sync per block: the
         # device keeps computing while the host reads and uploads the next one); waiting for
         # the block before bounds what is alive to two blocks.
-        if DRAIN_PER_BLOCK:
+        if settling():  # a settled prefill (settle.py): no two blocks alive, ever
             if queued is not None:
                 settle(queued)  # the block before, released, before this one is allocated
             mx.async_eval(carry)
