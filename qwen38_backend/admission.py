@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,10 @@ class MemoryPlan:
     spill_dir: Path | None = None  # where the spill file goes (when kv_spill > 0)
     ranks: int = 1  # the plan is one rank's of a model split over this many
     kv_token_bytes: int = 0  # K+V of one token over every attention layer
+    # the prefill scratch counts buffers released late (RELEASE_LAG; CUDA), or the device
+    # releases late and the plan is for a settled prefill (settle.py: one layer's scratch)
+    lagged: bool = False
+    settled: bool = False
 
     def __getitem__(self, name: str) -> int:
         return sum(c.nbytes for c in self.components if c.name == name)
@@ -286,7 +291,8 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     prompt_tokens (how many of the context are prefilled; default all), kv_paged,
     kv_page_tokens (32), kv_pool_tokens (resident KV rows; the rest spills to disk),
     mtp (default: on when the config has an MTP head), fused_attention (default: on GPU),
-    release_lag (default: on CUDA; the prefill scratch times RELEASE_LAG),
+    release_lag (default: on CUDA; the prefill scratch times RELEASE_LAG; off there: a plan
+    for a settled prefill, `plan.settled`),
     ranks (the model split over that many mx.distributed ranks: the plan is one rank's, with
     its share of the weights, KV heads and Gated DeltaNet heads; default: a loaded Model's
     world size, else 1).
@@ -337,11 +343,10 @@ def memory_plan(config_or_model: Any, context: int, **options: Any) -> MemoryPla
     cfg = what.net.config
     plan.components += _kv_components(plan, dims, choice, schedule, available)
     plan.components += _state_components(cfg, dims, schedule, context, chunk, options)
-    add(
-        _scratch(
-            cfg, dims, context, chunk, options.get("fused_attention"), options.get("release_lag")
-        )
-    )
+    lag = options.get("release_lag")
+    plan.lagged = settle.releases_late() if lag is None else bool(lag)
+    plan.settled = settle.releases_late() and not plan.lagged
+    add(_scratch(cfg, dims, context, chunk, options.get("fused_attention"), plan))
     return plan
 
 
@@ -606,15 +611,12 @@ def _state_components(
 
 
 def _scratch(
-    cfg: Any, dims: _Dims, context: int, chunk: int, fused: bool | None, lag: bool | None
+    cfg: Any, dims: _Dims, context: int, chunk: int, fused: bool | None, plan: MemoryPlan
 ) -> Component:
-    """One prefill chunk's widest activations, its attention scores and the logits; where
-    the device releases finished work's buffers late (`lag`, default: CUDA), RELEASE_LAG
-    times the activations and scores."""
+    """One prefill chunk's widest activations, its attention scores and the logits; for a
+    `plan.lagged` plan RELEASE_LAG times the activations and scores."""
     if fused is None:
         fused = mx.default_device() != mx.cpu
-    if lag is None:
-        lag = settle.releases_late()
     t = min(chunk, context)
     hq, hd = dims.hq, dims.hd
     widths = [
@@ -642,9 +644,11 @@ def _scratch(
     scores = max(one_shot, walk)
     how_scores = "blocked walk" if walk else "fused" if fused else "one-shot"
     logits = cfg.vocab_size * 4
-    factor = RELEASE_LAG if lag else 1.0
+    factor = RELEASE_LAG if plan.lagged else 1.0
     held = int(factor * (activ + scores))
-    lagging = f", x{factor} for buffers released late (CUDA)" if lag else ""
+    lagging = f", x{factor} for buffers released late (CUDA)" if plan.lagged else ""
+    if plan.settled:
+        lagging = ", a settled prefill (each layer released before the next)"
     return Component(
         "scratch",
         held + logits,
@@ -838,6 +842,20 @@ def admit(
             f"a {plan.context:,}-token context needs {need:,} bytes, has {available:,}, short by "
             f"{need - available:,} bytes (largest: {parts}); {_pool_advice(plan, need, available)}"
         )
+
+
+def settled_if_tight(
+    plan: MemoryPlan,
+    available: int | None,
+    replan: Callable[..., MemoryPlan],
+    include_weights: bool = True,
+) -> MemoryPlan:
+    """`plan`, or where its lagged prefill scratch (RELEASE_LAG) does not fit `available`,
+    `replan(release_lag=False)`: the plan of a settled prefill (settle.py: one layer's
+    scratch at a time, slower), which `admit` then accepts or refuses with its own shortfall."""
+    if available is None or not plan.lagged or plan.required(include_weights) <= available:
+        return plan
+    return replan(release_lag=False)
 
 
 def _pool_advice(plan: MemoryPlan, need: int, available: int) -> str:

@@ -61,7 +61,13 @@ def describe(name_or_path: str, context: int | None = None, ranks: int = 1, **kv
     if context is not None:
         import mlx.core as mx
 
-        from .admission import available_memory, format_plan, memory_plan, plan_verdict
+        from .admission import (
+            available_memory,
+            format_plan,
+            memory_plan,
+            plan_verdict,
+            settled_if_tight,
+        )
 
         # as load() would run it: fp32 on CPU (quantized weights dequantized there)
         on_cpu = mx.default_device() == mx.cpu
@@ -69,6 +75,13 @@ def describe(name_or_path: str, context: int | None = None, ranks: int = 1, **kv
         available = available_memory()
         opts["ranks"] = ranks
         plan = memory_plan(weights.config, context, available=available, **opts, **kv_options)
+        plan = settled_if_tight(
+            plan,
+            available,
+            lambda **o: memory_plan(
+                weights.config, context, available=available, **opts, **kv_options, **o
+            ),
+        )
         lines += ["", format_plan(plan, available), f"  verdict: {plan_verdict(plan, available)}"]
         window = s["context"]
         if window and context > window:  # the plan stands, but no request gets that long

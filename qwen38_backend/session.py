@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from . import speculative
-from .admission import MemoryPlan, admit, available_memory, memory_plan, prepare_spill_dir
+from .admission import (
+    MemoryPlan,
+    admit,
+    available_memory,
+    memory_plan,
+    prepare_spill_dir,
+    settled_if_tight,
+)
 from .errors import Cancelled, StateFileError
 from .events import Event, StreamParser
 from .generation import GenerationStats, TokenStream
@@ -182,22 +189,31 @@ class Session:
     # ----- admission ----------------------------------------------------------------------
     def _admit(self, ids: list[int], params: SamplingParams, kv: dict) -> None:
         if not self.admission:
+            self.last_plan = None
             return
         context = len(ids) + params.max_tokens
         plan = memory_plan(self.model, context, prompt_tokens=len(ids), **kv)
-        self.last_plan = plan
-        prepare_spill_dir(plan)
-        # the live state is reused or dropped first (_prepare_state): its spill file's bytes
-        # count as free, as its memory does below
-        held = self.state.spill_bytes(plan.spill_dir) if plan.disk and self.state else 0
         if self.memory_limit is not None:
             available = int(self.memory_limit)
         else:
             available = available_memory()
-            if available is None:
-                return
-            # the live state is replaced or reused: its bytes count as available
-            available += self.state.nbytes() if self.state is not None else 0
+            if available is not None:
+                # the live state is replaced or reused: its bytes count as available
+                available += self.state.nbytes() if self.state is not None else 0
+        # tight: a settled prefill (settle.py), one layer's scratch at a time
+        plan = settled_if_tight(
+            plan,
+            available,
+            lambda **o: memory_plan(self.model, context, prompt_tokens=len(ids), **kv, **o),
+            include_weights=False,
+        )
+        self.last_plan = plan
+        prepare_spill_dir(plan)
+        if available is None:
+            return
+        # the live state is reused or dropped first (_prepare_state): its spill file's bytes
+        # count as free, as its memory does above
+        held = self.state.spill_bytes(plan.spill_dir) if plan.disk and self.state else 0
         # weights are already resident (loaded), so only per-sequence memory is new
         admit(plan, available, include_weights=False, disk_held=held)
 
@@ -255,15 +271,28 @@ class Session:
         """Engine.run with stops at the message and prompt boundaries to mark / snapshot."""
         t0 = time.perf_counter()
         observe = speculative.prefill_observer(self.model, state, draft)
+        settle_layers = self.last_plan is not None and self.last_plan.settled
         try:
             then = params.max_tokens or 0  # reserved with the prompt (Model.prefill)
             if state.offset < boundary < len(ids):
                 part = ids[state.offset : boundary]
                 rest = len(ids) - boundary + then
-                self.model.prefill(part, state, cancel=cancel, observe=observe, then=rest)
+                self.model.prefill(
+                    part,
+                    state,
+                    cancel=cancel,
+                    observe=observe,
+                    then=rest,
+                    settle_layers=settle_layers,
+                )
                 self._mark(state, pending, recurrent)
             logits = self.model.prefill(
-                ids[state.offset :], state, cancel=cancel, observe=observe, then=then
+                ids[state.offset :],
+                state,
+                cancel=cancel,
+                observe=observe,
+                then=then,
+                settle_layers=settle_layers,
             )
         except Cancelled:
             stats.finish_reason = "cancelled"

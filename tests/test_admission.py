@@ -8,7 +8,7 @@ import re
 
 import mlx.core as mx
 import pytest
-from helpers import FIXTURES, dense_fixture
+from helpers import FIXTURES, dense_fixture, recorded
 from mlx.utils import tree_flatten
 
 import qwen38_backend
@@ -402,3 +402,35 @@ def test_cuda_plan_covers_every_measured_prefill_peak():
         qwen38_27b_config(), worst[2], dtype="bfloat16", prefill_chunk=2048, release_lag=False
     )
     assert cpu["scratch"] < worst[0] < plan["scratch"]
+
+
+def test_tight_memory_runs_a_settled_prefill(dense, monkeypatch):
+    """Where the device releases finished work late (settle.releases_late: CUDA), a session
+    whose memory fits a settled prefill (one layer's scratch) but not RELEASE_LAG x that runs
+    one (every layer settled: more waits) instead of refusing, with the same tokens; below
+    the settled plan it is refused by the settled plan's shortfall."""
+    from qwen38_backend import settle
+
+    monkeypatch.setattr(settle, "releases_late", lambda: True)
+    ids, new = [1 + i % 50 for i in range(40)], 8  # a prompt of more rows than a step
+    lagged = memory_plan(dense, len(ids) + new, prompt_tokens=len(ids))
+    tight = memory_plan(dense, len(ids) + new, prompt_tokens=len(ids), release_lag=False)
+    assert lagged.lagged and not lagged.settled and tight.settled and not tight.lagged
+    assert tight.per_sequence < lagged.per_sequence
+
+    def run(limit: int) -> tuple[list[int], int, object]:
+        session = dense.session(cache=False, memory_limit=limit)
+        with recorded(mx, "synchronize") as calls:
+            events = list(session.generate(ids, max_tokens=new, temperature=0))
+        assert events[-1].type == "done"
+        return session.state.tokens, len(calls), session.last_plan
+
+    roomy_tokens, roomy_syncs, roomy_plan = run(lagged.per_sequence)
+    tight_tokens, tight_syncs, tight_plan = run(tight.per_sequence)
+    assert not roomy_plan.settled and tight_plan.settled
+    assert tight_tokens == roomy_tokens
+    layers = len(dense.new_state().layers)
+    assert tight_syncs >= roomy_syncs + layers - 1
+    short = tight.per_sequence - 1
+    with pytest.raises(AdmissionError, match=f"short by {tight.per_sequence - short:,} bytes"):
+        run(short)
