@@ -13,6 +13,8 @@ row count, medians of `--runs` forwards, each rewound through a save point:
 - `pipelined_ms` (1 row): a plain step's share when steps are queued back to back (the next
   built while the device runs this one): close to the device's time for one step.
 `eager_ms - pipelined_ms` is what a round pays above the device (host work not overlapped).
+`--outputs-per-warp`, `--staged-from`, `--stages` and `--split-k` set the row-invariant
+product's launch shape (kernels/rows_matmul.py; the probe checks rows stay invariant).
 `--dims tiny --layers 4` smoke-tests it on a CPU.
 """
 
@@ -44,8 +46,27 @@ def main() -> None:
     ap.add_argument("--max-rows", type=int, default=5)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--outputs-per-warp",
+        default=None,
+        help="rows_matmul.OUTPUTS_PER_WARP entries, e.g. 4:2,5:2",
+    )
+    ap.add_argument("--staged-from", type=int, default=None, help="rows_matmul.STAGED_FROM")
+    ap.add_argument("--stages", type=int, default=None, help="rows_matmul.STAGES")
+    ap.add_argument("--split-k", type=int, default=None, help="rows_matmul.SPLIT_K")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    launch = {"STAGED_FROM": args.staged_from, "STAGES": args.stages, "SPLIT_K": args.split_k}
+    if args.outputs_per_warp or any(v is not None for v in launch.values()):
+        from qwen38_backend.kernels import rows_matmul
+
+        for name, value in launch.items():
+            if value is not None:
+                setattr(rows_matmul, name, value)
+        for entry in (args.outputs_per_warp or "").split(","):
+            if entry:
+                rows, nw = (int(v) for v in entry.split(":"))
+                rows_matmul.OUTPUTS_PER_WARP[rows] = nw
 
     import mlx.core as mx
 
@@ -102,6 +123,10 @@ def main() -> None:
         "context": args.context,
         "device": str(mx.default_device()),
         "weights_bytes": nbytes,
+        "outputs_per_warp": args.outputs_per_warp,
+        "staged_from": args.staged_from,
+        "stages": args.stages,
+        "split_k": args.split_k,
         "rows": {},
     }
     for rows in range(1, args.max_rows + 1):

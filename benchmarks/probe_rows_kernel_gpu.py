@@ -6,9 +6,11 @@ For each distinct projection shape of Qwen3.8-27B (random bf16 weights, a set of
 weight matrices cycled so that none stays in L2): the median time of one product and the
 weight bytes it reads per second, for MLX's one-row product (gemv: what unpadded plain
 decoding ran), MLX's product padded to 8 rows (what row-exact decoding ran), and the kernel
-with 1, 2, 4, 5 and 8 rows. Identity: every kernel row equals the one-row kernel call bit for
-bit; error against an fp32 product, next to MLX's own. `--loads`: the kernel with other
-numbers of weight loads in flight per lane (1 and 5 rows).
+with 1, 2, 3, 4, 5 and 8 rows. Identity: every kernel row equals the one-row kernel call bit
+for bit; error against an fp32 product, next to MLX's own. `--sweep-rows 1,2,3,4,5`: for
+those row counts, the kernel at every (outputs per warp, loads in flight) of
+`--shapes-grid` (rows_matmul._shape), and the fastest per row count. The products here
+do not wait on each other (a real step's do): a narrow launch looks cheaper than in a step.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ def measure(n: int, k: int, args) -> dict:
     from qwen38_backend.kernels import rows_matmul as kernel
 
     dtype = mx.bfloat16
-    default_loads = kernel.LOADS
     nbytes = n * k * dtype.size
     copies = max(1, min(8, int(args.l2_bytes // nbytes) + 1))
     keys = mx.random.split(mx.random.key(0), copies + 1)
@@ -62,19 +63,29 @@ def measure(n: int, k: int, args) -> dict:
     x = mx.random.normal((8, k), key=keys[0]).astype(dtype)
     mx.eval(weights, x)
 
-    def product(w, rows: int, loads: int):
-        kernel.LOADS = loads  # read when the launch is built
-        return kernel.rows_matmul(x[:rows], w)
+    def product(w, rows: int, shape: tuple[int, int] | None):
+        chosen = kernel._shape
+        if shape is not None:
+            kernel._shape = lambda r: shape  # read when the launch is built
+        try:
+            return kernel.rows_matmul(x[:rows], w)
+        finally:
+            kernel._shape = chosen
 
     variants = {"mlx_1row": lambda w: x[:1] @ w.T, "mlx_8rows": lambda w: x @ w.T}
-    for rows in (1, 2, 4, 5, 8):
-        variants[f"kernel_{rows}rows"] = lambda w, r=rows: product(w, r, default_loads)
-    for loads in args.loads:
-        for rows in (1, 5):
-            name = f"kernel_{rows}rows_loads{loads}"
-            variants[name] = lambda w, r=rows, u=loads: product(w, r, u)
+    for rows in (1, 2, 3, 4, 5, 8):
+        variants[f"kernel_{rows}rows"] = lambda w, r=rows: product(w, r, None)
+    for rows in args.sweep_rows:
+        for nw, u in args.shapes_grid:
+            name = f"kernel_{rows}rows_nw{nw}_u{u}"
+            variants[name] = lambda w, r=rows, s=(nw, u): product(w, r, s)
     ms = {v: median_ms(f, weights, args.runs, args.inner) for v, f in variants.items()}
-    kernel.LOADS = default_loads
+    best = {}
+    for rows in args.sweep_rows:
+        tried = {v: t for v, t in ms.items() if v.startswith(f"kernel_{rows}rows_nw")}
+        if tried:
+            name = min(tried, key=tried.get)
+            best[str(rows)] = {"variant": name, "ms": tried[name]}
     w = weights[0]
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     together = kernel.rows_matmul(x, w)
@@ -94,6 +105,7 @@ def measure(n: int, k: int, args) -> dict:
         "kernel_5rows_over_mlx_8rows": ms["kernel_5rows"] / ms["mlx_8rows"],
         "rows_equal_one_row_calls": mx.array_equal(together, alone).item(),
         "max_rel_err_vs_fp32": {"kernel": err(together), "mlx": err(x @ w.T)},
+        "best_shape_by_rows": best,
     }
 
 
@@ -102,7 +114,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--inner", type=int, default=24)
     ap.add_argument("--l2-bytes", type=float, default=4 * 50e6, help="weights cycled past this")
-    ap.add_argument("--loads", type=lambda v: [int(u) for u in v.split(",")], default=[2, 8])
+    ap.add_argument("--sweep-rows", type=lambda v: [int(r) for r in v.split(",")], default=[])
+    ap.add_argument(
+        "--shapes-grid",
+        type=lambda v: [tuple(int(a) for a in s.split("x")) for s in v.split(",")],
+        default=[(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)],
+        help="(outputs per warp)x(loads in flight) pairs tried for --sweep-rows",
+    )
     ap.add_argument("--shapes", default=",".join(n for n, _, _ in SHAPES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

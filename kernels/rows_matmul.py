@@ -10,8 +10,10 @@ kernel serves 1..8 rows per launch (more rows: more launches), so nothing is pad
 
 Each warp computes NW outputs (rows of w) for all R rows of x, as MLX's gemv does for one:
 its lanes stride over K in 16-byte vectors, accumulating in fp32 with fmaf in ascending
-order, then a warp butterfly. Nothing in a row's arithmetic depends on R or on the other
-rows (R only changes how many outputs a warp takes and how many loads it batches).
+order, then a warp butterfly; for a narrow product KS warps share the outputs, each walking
+every KS-th stretch of K, their sums added in a fixed order. Nothing in a row's arithmetic
+depends on R or on the other rows (R only changes how many outputs a warp takes and how
+many loads it batches; KS depends on w's shape alone).
 `available()` probes the kernel once per dtype: rows equal to one-row launches bit for bit
 and close to an fp32 reference; any error or disagreement disables it with a warning (the
 padded MLX product then runs).
@@ -35,11 +37,14 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # The kernel's set-up, sums and reduction, kept apart from its per-vector step: the warp's
 # outputs (NW from n0, of N = w's rows) and fp32 sums per (row, output), and the lanes' walk
 # over 16-byte weight vectors w[n][c] (`wv`, `KV` of them per output) in ascending order, U
-# loads in flight before their `accumulate(wr, c)`, then a warp butterfly per sum into y.
+# loads in flight before their `accumulate(wr, c)`, then a warp butterfly per sum and, where
+# KS warps split the vectors of the same outputs (warp ks of them walks ks * 32 + lane,
+# then every 32 * KS), their sums added in ks order, into y.
 ACCUMULATORS = """
     const int N = w_shape[0];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
+    const int ks = warp % KS, first = ks * 32 + lane, stride = 32 * KS;
+    const long long n0 = ((long long)blockIdx.x * (WARPS / KS) + warp / KS) * NW;
     const uint4* wv = reinterpret_cast<const uint4*>(w);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     float acc[R][NW];
@@ -48,25 +53,59 @@ ACCUMULATORS = """
 #pragma unroll
         for (int j = 0; j < NW; ++j) acc[r][j] = 0.0f;
 """
-WALK_AND_REDUCE = """
+WALK = """
     auto load = [&](uint4 (&wr)[NW], int c) {
 #pragma unroll
         for (int j = 0; j < NW; ++j)
             wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : make_uint4(0u, 0u, 0u, 0u);
     };
-    int c = lane;
-    for (; c + 32 * (U - 1) < KV; c += 32 * U) {
+    int c = first;
+    for (; c + stride * (U - 1) < KV; c += stride * U) {
         uint4 wr[U][NW];
 #pragma unroll
-        for (int u = 0; u < U; ++u) load(wr[u], c + 32 * u);
+        for (int u = 0; u < U; ++u) load(wr[u], c + stride * u);
 #pragma unroll
-        for (int u = 0; u < U; ++u) accumulate(wr[u], c + 32 * u);
+        for (int u = 0; u < U; ++u) accumulate(wr[u], c + stride * u);
     }
-    for (; c < KV; c += 32) {
+    for (; c < KV; c += stride) {
         uint4 wr[1][NW];
         load(wr[0], c);
         accumulate(wr[0], c);
     }
+"""
+# The same walk with the weight vectors copied ahead through shared memory (cp.async, S - 1
+# steps in flight per lane, each lane reading back only its own copies): the bytes in
+# flight no longer cost registers, which a step of several rows needs for its sums.
+STAGED_WALK = """
+    extern __shared__ __align__(16) unsigned char smem_dyn[];
+    uint4* slots = reinterpret_cast<uint4*>(smem_dyn) + warp * (S * NW * 32);
+    const int steps = (KV - first + stride - 1) / stride;  // vectors first + stride i < KV
+    auto issue = [&](int i) {
+        if (i < steps) {
+            uint4* slot = slots + (i % S) * NW * 32;
+            const int c = first + stride * i;
+#pragma unroll
+            for (int j = 0; j < NW; ++j)
+                if (n0 + j < N) cp_async16(slot + j * 32 + lane, wv + (n0 + j) * KV + c);
+        }
+        cp_async_commit();                          // empty past the end: the count stays
+    };
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(i);
+    for (int i = 0; i < steps; ++i) {
+        cp_async_wait<S - 2>();                     // step i's copies have landed
+        // refill the slot read in the step before (its values are in registers by now)
+        issue(i + S - 1);
+        const uint4* slot = slots + (i % S) * NW * 32;
+        uint4 wr[NW];
+#pragma unroll
+        for (int j = 0; j < NW; ++j)
+            wr[j] = n0 + j < N ? slot[j * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
+        accumulate(wr, first + stride * i);
+    }
+"""
+REDUCE = """
+    __shared__ float split_sums[KS > 1 ? R * NW * WARPS : 1];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -74,13 +113,32 @@ WALK_AND_REDUCE = """
             float v = acc[r][j];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-            if (lane == 0 && n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
+            if (KS == 1) {
+                if (lane == 0 && n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
+            } else if (lane == 0) {
+                split_sums[(r * NW + j) * WARPS + warp] = v;
+            }
         }
+    if (KS > 1) {
+        __syncthreads();
+        if (ks == 0 && lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int j = 0; j < NW; ++j) {
+                    const float* part = split_sums + (r * NW + j) * WARPS + warp;
+                    float v = part[0];
+#pragma unroll
+                    for (int q = 1; q < KS; ++q) v += part[q];
+                    if (n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
+                }
+        }
+    }
 """
 
-# Template constants from the call: T (dtype), R (rows), NW (outputs per warp), U (vectors a
-# lane loads per output before using them).
-_SOURCE = (
+# Template constants from the call: T (dtype), R (rows), NW (outputs per warp), KS (warps
+# per output), U (vectors a lane loads per output before using them).
+_PRODUCT = (
     """
     using namespace qwen38_dattn;
     constexpr int WARPS = __THREADS__ / 32;
@@ -90,25 +148,27 @@ _SOURCE = (
 """
     + ACCUMULATORS
     + """
-    // lane's vectors lane, lane + 32, ... in ascending order for every (row, output): the
+    // lane's vectors first, first + stride, ... ascending for every (row, output): the
     // loads of U of them are issued before their products (the order of the sums is fixed)
+    // (the weights are widened once per vector, not once per row)
     auto accumulate = [&](const uint4 (&wr)[NW], int c) {
+        float wf[NW][VEC];
+#pragma unroll
+        for (int j = 0; j < NW; ++j) Vec<T>::to_float(wr[j], wf[j]);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             float xf[VEC];
             Vec<T>::to_float(xv[(long long)r * KV + c], xf);
 #pragma unroll
-            for (int j = 0; j < NW; ++j) {
-                float wf[VEC];
-                Vec<T>::to_float(wr[j], wf);
+            for (int j = 0; j < NW; ++j)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[r][j] = fmaf(xf[e], wf[e], acc[r][j]);
-            }
+                for (int e = 0; e < VEC; ++e) acc[r][j] = fmaf(xf[e], wf[j][e], acc[r][j]);
         }
     };
 """
-    + WALK_AND_REDUCE
 )
+_SOURCE = _PRODUCT + WALK + REDUCE
+_STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahead) for U
 
 
 @functools.cache
@@ -122,30 +182,82 @@ def _kernel():
     )
 
 
-def _outputs_per_warp(rows: int) -> int:
-    """More outputs per warp read x fewer times; one keeps a one-row step a plain gemv."""
-    return 1 if rows == 1 else 2 if rows <= 4 else 4
+@functools.cache
+def _staged_kernel(nw: int, stages: int):
+    return mx.fast.cuda_kernel(
+        name="qwen38_rows_matmul_staged",
+        input_names=["x", "w"],
+        output_names=["y"],
+        source=_STAGED_SOURCE.replace("__THREADS__", str(THREADS)),
+        header=VECTORS,
+        shared_memory=THREADS * stages * nw * 16,
+    )
+
+
+# Outputs per warp by row count: more read x fewer times (a lane's loads of x per weight
+# vector: rows / outputs) but hold more sums in registers; one keeps a one-row step a plain
+# gemv. Measured in a 64-layer 27B step on the H200 (benchmarks/probe_round_host_gpu.py,
+# benchmarks/results/h200/round_outputs_*.json): 2 beat 4 at 4 rows, tie at 5. Launches of
+# STAGED_FROM rows or more copy the weights ahead through shared memory (STAGES - 1 steps in
+# flight): at 5 rows 25.2-26.1 ms a 64-layer step vs 29.2 with the register walk and no
+# SPLIT_K (round_walk_*.json, round_splitk*.json; with SPLIT_K the two walks measured
+# within run-to-run noise). None of this changes a row's arithmetic whatever the row count
+# (the probe checks it).
+OUTPUTS_PER_WARP = {1: 1, 2: 2, 3: 2, 4: 2}
+WIDE_OUTPUTS = 4  # 5..8 rows
+STAGED_FROM = 2
+STAGES = 4
+# Warps that split one output's vectors, for products of at most SPLIT_K_MAX_N outputs:
+# the 27B's 5120-wide ones otherwise run as few warps with long walks (at 4 outputs a warp,
+# 160 blocks for 132 SMs), each waiting on its loads. A function of the weight's shape only
+# (never of the rows), so rows stay invariant; it changes the order of a row's sums, so a
+# plain step's bits differ from the kernel without it (both are fp32-accumulated products).
+SPLIT_K = 4
+SPLIT_K_MAX_N = 8192
+
+
+def _split(n: int) -> int:
+    return SPLIT_K if n <= SPLIT_K_MAX_N else 1
+
+
+def _shape(rows: int) -> tuple[int, int]:
+    """(outputs per warp, 16-byte weight vectors a lane loads per output before using them)
+    for a launch of `rows` rows."""
+    nw = OUTPUTS_PER_WARP.get(rows, WIDE_OUTPUTS)
+    return nw, max(LOADS // nw, 1)
 
 
 def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in x's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0."""
-    return launch_in_parts(_kernel(), x, [w], w.shape[0], [("T", x.dtype)])
+    n = w.shape[0]
+    return launch_in_parts(lambda rows: _launch(rows, n), x, [w], n, [("T", x.dtype)])
 
 
-def launch_in_parts(kernel, x: mx.array, operands: list, n: int, template: list) -> mx.array:
-    """A row-invariant product kernel over x [R, ...]'s rows, at most ROWS_PER_LAUNCH per
-    launch: inputs [part, *operands], `template` plus R, NW and U, output [rows, n]."""
+def _launch(rows: int, n: int) -> tuple:
+    """(kernel, template constants) of a launch of `rows` rows and `n` outputs."""
+    nw, loads = _shape(rows)
+    shape = [("R", rows), ("NW", nw), ("KS", _split(n))]
+    if rows >= STAGED_FROM:
+        return _staged_kernel(nw, STAGES), [*shape, ("S", STAGES)]
+    return _kernel(), [*shape, ("U", loads)]
+
+
+def launch_in_parts(launch, x: mx.array, operands: list, n: int, template: list) -> mx.array:
+    """A row-invariant product over x [R, ...]'s rows, at most ROWS_PER_LAUNCH per launch:
+    `launch(rows)` -> (kernel, its row constants: R, NW, KS and the walk's), inputs
+    [part, *operands], `template` first, output [rows, n]."""
     outs = []
     for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
         part = x[start : start + ROWS_PER_LAUNCH]
         rows = part.shape[0]
-        nw = _outputs_per_warp(rows)
-        per_block = nw * THREADS // 32
+        kernel, constants = launch(rows)
+        shape = dict(constants)
+        per_block = shape["NW"] * THREADS // 32 // shape.get("KS", 1)
         outs.append(
             kernel(
                 inputs=[part, *operands],
-                template=[*template, ("R", rows), ("NW", nw), ("U", max(LOADS // nw, 1))],
+                template=[*template, *constants],
                 grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),
                 output_shapes=[(rows, n)],
