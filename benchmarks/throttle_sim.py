@@ -6,9 +6,10 @@ A stream of `--tokens` tokens where each draft token agrees with probability p (
 as the H200 oracle benchmark draws them: bench_verify_gpu.py), k drafts per round, a round of
 T rows costing speculative.verify_cost(T, gpu=True) plain steps and a paused step one.
 Decoded tokens per step spent, relative to plain decoding, for the throttle as it is
-(speculative.Throttle: windows of WINDOW rounds apart) and for a sliding window (the
-previous rule: decide after every round over the last WINDOW), best fixed k per p, and the
-throttle with k chosen each round by speculative.DraftLength, mean over `--seeds` streams.
+(speculative.Throttle: windows of WINDOW rounds apart), its earlier forms (windows of 4
+rounds; a sliding window deciding after every round; no cap or no reset of the pause) and
+no throttle at all: per rule the best fixed k per p and k chosen each round by
+speculative.DraftLength (`draft_length_speedup`), mean over `--seeds` streams.
 No model runs: this measures the rule, not the engine.
 """
 
@@ -40,12 +41,25 @@ class SlidingThrottle(Throttle):
     nothing."""
 
     def record(self, n: int, gain: float) -> None:
-        self.gains = (self.gains + [gain])[-WINDOW:]
-        if len(self.gains) == WINDOW and sum(self.gains) <= 0:
+        self.gains = (self.gains + [gain])[-self.window :]
+        if len(self.gains) == self.window and sum(self.gains) <= 0:
             self.resume_at = n + self.pause
             self.pause *= 2
             self.pauses += 1
             self.gains = []
+
+
+class FourRoundThrottle(Throttle):
+    """The rule before session 16: a decision every 4 rounds."""
+
+    window = 4
+
+
+class NeverThrottle(Throttle):
+    """No throttle: drafting never pauses (the ceiling for a stream that wins on average)."""
+
+    def record(self, n: int, gain: float) -> None:
+        pass
 
 
 class UncappedThrottle(Throttle):
@@ -110,6 +124,8 @@ def main() -> None:
     args = ap.parse_args()
     rules = {
         "windows_apart": Throttle,
+        "windows_of_4": FourRoundThrottle,
+        "never": NeverThrottle,
         "uncapped": UncappedThrottle,
         "no_reset": NoResetThrottle,
         "sliding": SlidingThrottle,
@@ -132,14 +148,16 @@ def main() -> None:
                 for k in range(1, args.max_k + 1)
             }
             best = max(by_k, key=by_k.get)
-            row[name] = {"best_k": best, "speedup": by_k[best], "by_k": by_k}
-        row["windows_apart_draft_length"] = {
-            "most_k": args.max_k,
-            "speedup": statistics.mean(
-                speedup(Throttle, p, args.max_k, args.tokens, s, adaptive=True)
+            adaptive = statistics.mean(
+                speedup(rule, p, args.max_k, args.tokens, s, adaptive=True)
                 for s in range(args.seeds)
-            ),
-        }
+            )
+            row[name] = {
+                "best_k": best,
+                "speedup": by_k[best],
+                "by_k": by_k,
+                "draft_length_speedup": adaptive,  # k chosen by DraftLength, at most max_k
+            }
         out["by_p"][spec] = row
     out["module"] = speculative.__file__
     write_json(out, args.out)

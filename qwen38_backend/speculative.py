@@ -28,7 +28,7 @@ the verify as a single step would, so it needs no gate (tested past its dense th
 Throttle: a round costs more than a plain step (measured, demo model on this 2-core CPU with
 OpenBLAS, ms per forward: 1 row 37, 2 rows 50, 5 rows 66: cost(T) ~ 1.22 + 0.14 (T - 1)
 steps for T >= 2). Each round's gain is its tokens minus its cost in steps (and minus a
-re-feed after a rejection where one is needed, and 0.1 step per MTP draft token); when 4
+re-feed after a rejection where one is needed, and 0.1 step per MTP draft token); when 8
 rounds (one window; windows do not overlap) together gained nothing, drafting pauses for 16
 tokens, then 32, then 64 (MAX_PAUSE) each time, so a stream where drafts keep failing decodes
 mostly plainly at a bounded loss, and one that turns (prose, then a copied span) is drafted
@@ -37,9 +37,11 @@ throttled apart by match length: in prose one-token matches keep failing while a
 (3-token matches) keeps paying off.
 Draft length: each round drafts the k (up to draft_tokens) with the most tokens per step
 spent for the stream's recent agreement rate (DraftLength). benchmarks/throttle_sim.py, H200
-round costs measured end to end (verify_cost), 512 tokens: p 0.65 1.46x, p 0.8 2.07x, p
-alternating 0.2 / 0.9 every 64 tokens 1.13x, always losing at p 0.2 0.98x, each within 1%
-of the best fixed k for that p (benchmarks/results/cpu/throttle_sim_512_draft_length.json).
+round costs measured end to end (verify_cost), 256 tokens, windows of 8 rounds (of 4): p
+0.65 1.57x (1.47x), p 0.8 2.12x (2.08x), p alternating 0.2 / 0.9 every 64 tokens 1.32x
+(1.12x), always losing at p 0.2 0.97x (0.98x); never pausing gives 1.59x at p 0.65 and 0.87x
+at p 0.2: a window of 4 paused a stream that wins on average after any unlucky run, and cost
+it 7% at p 0.65 (benchmarks/results/cpu/throttle_sim_window.json).
 Steps without drafts run pipelined as Model.decode's (the next step queued before a token is
 read back) for as long as no draft is coming: through a pause, after the gate closed, and in
 n-gram mode until a lookup on the tokens read so far finds a draft (one token late: the step
@@ -76,7 +78,7 @@ DEFAULT_TOKENS = {"ngram": 4, "mtp": 2}
 MAX_TOKENS = STEP_MAX_ROWS - 1  # a verify is a step (rows.py)
 
 # the throttle (module docstring)
-WINDOW = 4
+WINDOW = 8
 FIRST_PAUSE = 16
 MAX_PAUSE = 64  # drafts are tried again at least this often (a stream changes: prose, a copy)
 MTP_STEP_COST = 0.1
@@ -234,7 +236,8 @@ def gate_open(state: SequenceState, through: int) -> bool:
 class Throttle:
     """Pauses drafting while rounds lose against plain steps (module docstring)."""
 
-    # the rule's two choices (benchmarks/throttle_sim.py compares them switched off)
+    # the rule's choices (benchmarks/throttle_sim.py compares them switched off)
+    window = WINDOW  # rounds per decision
     max_pause: int | None = MAX_PAUSE  # None: the pause doubles without bound
     reset_after_gain = True  # a window that gained starts the next pause at FIRST_PAUSE
 
@@ -248,11 +251,11 @@ class Throttle:
         return n >= self.resume_at
 
     def record(self, n: int, gain: float) -> None:
-        """A round's gain; every WINDOW rounds (windows apart: a sliding window paused a
-        stream that wins on average after any bad run of 4, benchmarks/throttle_sim.py)
-        decide whether drafting pauses."""
+        """A round's gain; every `window` rounds (windows apart: a sliding window paused a
+        stream that wins on average after any bad run, benchmarks/throttle_sim.py) decide
+        whether drafting pauses."""
         self.gains.append(gain)
-        if len(self.gains) < WINDOW:
+        if len(self.gains) < self.window:
             return
         if sum(self.gains) <= 0:
             self.resume_at = n + self.pause
