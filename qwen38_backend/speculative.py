@@ -38,10 +38,11 @@ throttled apart by match length: in prose one-token matches keep failing while a
 Draft length: each round drafts the k (up to draft_tokens) with the most tokens per step
 spent for the stream's recent agreement rate (DraftLength). benchmarks/throttle_sim.py, H200
 round costs measured end to end (verify_cost), 256 tokens, windows of 8 rounds (of 4): p
-0.65 1.57x (1.47x), p 0.8 2.12x (2.08x), p alternating 0.2 / 0.9 every 64 tokens 1.32x
-(1.12x), always losing at p 0.2 0.97x (0.98x); never pausing gives 1.59x at p 0.65 and 0.87x
-at p 0.2: a window of 4 paused a stream that wins on average after any unlucky run, and cost
-it 7% at p 0.65 (benchmarks/results/cpu/throttle_sim_window.json).
+0.65 1.68x (1.61x), p 0.8 2.26x (2.24x), p alternating 0.2 / 0.9 every 64 tokens 1.36x
+(1.22x), always losing at p 0.2 0.985x (0.989x); never pausing gives 1.69x at p 0.65 and
+0.96x at p 0.2: a window of 4 paused a stream that wins on average after any unlucky run
+(benchmarks/results/cpu/throttle_sim_window.json; with session 15's round costs the window
+of 8 moved p 0.65 from 1.47x to 1.57x).
 Steps without drafts run pipelined as Model.decode's (the next step queued before a token is
 read back) for as long as no draft is coming: through a pause, after the gate closed, and in
 n-gram mode until a lookup on the tokens read so far finds a draft (one token late: the step
@@ -90,9 +91,10 @@ def verify_cost(rows: int, gpu: bool | None = None, weights_per_row: bool = Fals
     On a GPU a round costs more than its verify's device time: plain steps are pipelined
     (the next step's graph is built while the device runs this one), a round waits for its
     tokens before it can build the next. Measured on the H200 end to end (64 layers of 27B
-    dims, 4K, rounds whose drafts all agree so every forward is a round,
-    benchmarks/results/h200/verify_round_cost.json) against a pipelined plain step (17.3
-    ms): rounds of 2 / 3 / 4 / 5 rows 1.39 / 1.39 / 1.55 / 1.57 steps.
+    dims, 4K, rounds whose drafts all agree so every forward is a round, against the plain
+    run's time per token, 18.5 ms): rounds of 2 / 3 / 4 / 5 rows 1.22 / 1.33 / 1.44 / 1.45
+    steps (benchmarks/results/h200/verify_e2e256_splitk.json, p 1.0; with the product kernel
+    before session 16, verify_round_cost.json: 1.39 / 1.39 / 1.55 / 1.57).
     `weights_per_row`: a GPU verify whose quantized products read the weights once per row
     (rows.quantized_plan; 4-bit 27B, verify_4bit.json, against an 18.3 ms pipelined step:
     1.86 / 2.75 / 3.53 / 4.31 steps)."""
@@ -102,7 +104,7 @@ def verify_cost(rows: int, gpu: bool | None = None, weights_per_row: bool = Fals
         gpu = mx.default_device().type == mx.DeviceType.gpu
     if gpu and weights_per_row:
         return 1.04 + 0.82 * (rows - 1)
-    return 1.3 + 0.07 * (rows - 1) if gpu else 1.22 + 0.14 * (rows - 1)
+    return 1.16 + 0.08 * (rows - 1) if gpu else 1.22 + 0.14 * (rows - 1)
 
 
 def reads_weights_per_row(model: Model) -> bool:
