@@ -23,6 +23,7 @@ import common  # first: it loads the system OpenBLAS before MLX
 import mlx.core as mx
 
 import qwen38_backend
+from qwen38_backend import speculative
 
 BUGGY_CODE = """def mean(values):
     total = 0
@@ -65,9 +66,18 @@ MODES = ("off", "ngram")
 
 
 def one_run(model, ids: list[int], mode: str, max_tokens: int, k: int) -> dict:
+    """One greedy decode; mode "off", "ngram", or "ngram_window<W>" (n-gram drafts with the
+    throttle deciding every W rounds instead of speculative.WINDOW)."""
     mx.reset_peak_memory()
-    stream = model.generate_tokens(ids, max_tokens=max_tokens, draft=mode, draft_tokens=k)
-    tokens = list(stream)
+    window = speculative.Throttle.window
+    if mode.startswith("ngram_window"):
+        speculative.Throttle.window = int(mode.removeprefix("ngram_window"))
+    try:
+        draft = "off" if mode == "off" else "ngram"
+        stream = model.generate_tokens(ids, max_tokens=max_tokens, draft=draft, draft_tokens=k)
+        tokens = list(stream)
+    finally:
+        speculative.Throttle.window = window
     s = stream.stats
     return {
         "tokens": tokens,
@@ -84,6 +94,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="draft_tokens")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument(
+        "--compare-window",
+        type=int,
+        default=None,
+        help="also n-gram drafts with the throttle deciding every this many rounds",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -98,23 +114,28 @@ def main() -> None:
         "environment": common.environment(),
         "tasks": {},
     }
+    modes = MODES if args.compare_window is None else (*MODES, f"ngram_window{args.compare_window}")
     list(model.generate_tokens([1, 2, 3], max_tokens=4))  # compile the decode graphs
     for name in args.tasks.split(","):
         text = TASKS[name]
         ids = session.request([{"role": "user", "content": text}], enable_thinking=False).ids
-        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         for _ in range(args.runs):
-            for mode in MODES:
+            for mode in modes:
                 runs[mode].append(one_run(model, ids, mode, args.max_tokens, args.k))
         row: dict = {"prompt_tokens": len(ids)}
-        for mode in MODES:
+        for mode in modes:
             rates = [r["decode_tok_s"] for r in runs[mode]]
             row[mode] = {
                 "decode_tok_s": {"median": statistics.median(rates), "runs": rates},
                 "peak_memory_bytes": max(r["peak_memory_bytes"] for r in runs[mode]),
             }
-        row["ngram"]["draft"] = runs["ngram"][-1]["draft"]
-        streams = [r["tokens"] for mode in MODES for r in runs[mode]]
+        for mode in modes[1:]:
+            row[mode]["draft"] = runs[mode][-1]["draft"]
+            row[mode]["speedup"] = (
+                row[mode]["decode_tok_s"]["median"] / row["off"]["decode_tok_s"]["median"]
+            )
+        streams = [r["tokens"] for mode in modes for r in runs[mode]]
         row["generated_tokens"] = len(streams[0])
         row["identical_tokens"] = all(s == streams[0] for s in streams)
         row["speedup"] = (
