@@ -172,25 +172,17 @@ _STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahe
 
 
 @functools.cache
-def _kernel():
+def _kernel(staged_bytes: int = 0):
+    """The product with the register walk, or (staged_bytes > 0) with the staged walk and
+    that much shared memory for its copies."""
+    source = _STAGED_SOURCE if staged_bytes else _SOURCE
     return mx.fast.cuda_kernel(
-        name="qwen38_rows_matmul",
+        name="qwen38_rows_matmul_staged" if staged_bytes else "qwen38_rows_matmul",
         input_names=["x", "w"],
         output_names=["y"],
-        source=_SOURCE.replace("__THREADS__", str(THREADS)),
+        source=source.replace("__THREADS__", str(THREADS)),
         header=VECTORS,
-    )
-
-
-@functools.cache
-def _staged_kernel(nw: int, stages: int):
-    return mx.fast.cuda_kernel(
-        name="qwen38_rows_matmul_staged",
-        input_names=["x", "w"],
-        output_names=["y"],
-        source=_STAGED_SOURCE.replace("__THREADS__", str(THREADS)),
-        header=VECTORS,
-        shared_memory=THREADS * stages * nw * 16,
+        shared_memory=staged_bytes,
     )
 
 
@@ -239,7 +231,7 @@ def _launch(rows: int, n: int) -> tuple:
     nw, loads = _shape(rows)
     shape = [("R", rows), ("NW", nw), ("KS", _split(n))]
     if rows >= STAGED_FROM:
-        return _staged_kernel(nw, STAGES), [*shape, ("S", STAGES)]
+        return _kernel(THREADS * STAGES * nw * 16), [*shape, ("S", STAGES)]
     return _kernel(), [*shape, ("U", loads)]
 
 
