@@ -9,8 +9,10 @@ decoding ran), MLX's product padded to 8 rows (what row-exact decoding ran), and
 with 1, 2, 3, 4, 5 and 8 rows. Identity: every kernel row equals the one-row kernel call bit
 for bit; error against an fp32 product, next to MLX's own. `--sweep-rows 1,2,3,4,5`: for
 those row counts, the kernel at every (outputs per warp, loads in flight) of
-`--shapes-grid` (rows_matmul._shape), and the fastest per row count. The products here
-do not wait on each other (a real step's do): a narrow launch looks cheaper than in a step.
+`--shapes-grid` (rows_matmul._shape; loads in flight apply to the register walk, which
+launches below rows_matmul.STAGED_FROM rows take), and the fastest per row count. The
+products here do not wait on each other (a real step's do): a narrow launch looks cheaper
+than in a step (benchmarks/results/h200/rows_kernel_sweep.json ran before the staged walk).
 """
 
 from __future__ import annotations

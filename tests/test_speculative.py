@@ -633,8 +633,8 @@ def test_draft_length_spends_fewer_steps_than_the_fixed_rule(device, p):
 
 def test_round_costs_are_the_devices_own():
     """Rounds of 5 rows keeping 1.7 tokens each lose against plain steps on this CPU (a
-    5-row verify ~1.8 steps) and win on the H200, where a 5-row round costs ~1.6 pipelined
-    steps (measured end to end: speculative.verify_cost): the throttle pauses only the CPU."""
+    5-row verify ~1.8 steps) and win on the H200, where a 5-row round costs ~1.5 plain steps
+    (measured end to end: speculative.verify_cost): the throttle pauses only the CPU."""
     cpu, gpu = Throttle(), Throttle()
     for i in range(speculative.WINDOW):
         cpu.record(i, 1.7 - speculative.verify_cost(5, gpu=False))
