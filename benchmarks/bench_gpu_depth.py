@@ -130,9 +130,19 @@ def main() -> None:
         help="a settled prefill: every layer and walk block waited for and released before "
         "the next (qwen38_backend/settle.py)",
     )
+    ap.add_argument(
+        "--block-score-mib",
+        type=int,
+        default=None,
+        help="kv/blocked.BLOCK_SCORE_BYTES in MiB: one prefill walk block's fp32 scores",
+    )
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.block_score_mib is not None:
+        from qwen38_backend.kv import blocked
+
+        blocked.BLOCK_SCORE_BYTES = args.block_score_mib << 20
 
     import mlx.core as mx
 
@@ -165,6 +175,7 @@ def main() -> None:
         "quest_kernels": not args.quest_ops,
         "churn": args.churn,
         "settle_layers": args.settle_layers,
+        "block_score_mib": args.block_score_mib,
         "settings": settings(),
         "lengths": {},
     }

@@ -35,8 +35,18 @@ def main() -> None:
         help="a settled prefill: every layer and walk block waited for and released before "
         "the next (qwen38_backend/settle.py)",
     )
+    ap.add_argument(
+        "--block-score-mib",
+        type=int,
+        default=None,
+        help="kv/blocked.BLOCK_SCORE_BYTES in MiB: one prefill walk block's fp32 scores",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.block_score_mib is not None:
+        from qwen38_backend.kv import blocked
+
+        blocked.BLOCK_SCORE_BYTES = args.block_score_mib << 20
 
     import time
 
@@ -84,6 +94,7 @@ def main() -> None:
         "weights_bytes": weights_bytes,
         "state_bytes": state.nbytes(),
         "settle_layers": args.settle_layers,
+        "block_score_mib": args.block_score_mib,
         "prefill_tok_s": len(ids) / sum(r["seconds"] for r in rows),
         "over_start_gb": [round(r["over_start"] / 1e9, 2) for r in rows],
         "worst_chunk": worst,
