@@ -194,3 +194,21 @@ def cast_in_place(model, dtype: mx.Dtype) -> None:
             value = value.astype(dtype)
         mx.eval(value)
         model.update(tree_unflatten([(name, value)]), strict=False)
+
+
+def block_score_option(ap) -> None:
+    """--block-score-mib: one prefill walk block's fp32 scores (kv/blocked.BLOCK_SCORE_BYTES)."""
+    ap.add_argument(
+        "--block-score-mib",
+        type=int,
+        default=None,
+        help="kv/blocked.BLOCK_SCORE_BYTES in MiB: one prefill walk block's fp32 scores",
+    )
+
+
+def use_block_score(args) -> None:
+    """Apply --block-score-mib where it was given."""
+    if args.block_score_mib is not None:
+        from qwen38_backend.kv import blocked
+
+        blocked.BLOCK_SCORE_BYTES = args.block_score_mib << 20

@@ -9,8 +9,7 @@ Each part runs back to back on as many distinct inputs as the model has layers o
 (16 KV caches, 48 recurrent states), so nothing stays in L2 that a real step would find cold;
 ms per call, median of `--runs`. The calls of one `mx.eval` do not depend on each other, so
 the device may overlap them: a launch of few blocks looks cheaper here than in a step, where
-each waits on the one before (probe_verify_kernels_gpu.py times kernels one at a time). `--attention-splits` adds calls with a fixed split count
-(benchmark only: a one-row split other than the default changes that row's bits).
+each waits on the one before (probe_verify_kernels_gpu.py times kernels one at a time).
 """
 
 from __future__ import annotations

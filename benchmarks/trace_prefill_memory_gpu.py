@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import prompt, random_model  # noqa: E402
-from common import write_json  # noqa: E402
+from common import block_score_option, use_block_score, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -35,18 +35,10 @@ def main() -> None:
         help="a settled prefill: every layer and walk block waited for and released before "
         "the next (qwen38_backend/settle.py)",
     )
-    ap.add_argument(
-        "--block-score-mib",
-        type=int,
-        default=None,
-        help="kv/blocked.BLOCK_SCORE_BYTES in MiB: one prefill walk block's fp32 scores",
-    )
+    block_score_option(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.block_score_mib is not None:
-        from qwen38_backend.kv import blocked
-
-        blocked.BLOCK_SCORE_BYTES = args.block_score_mib << 20
+    use_block_score(args)
 
     import time
 
