@@ -429,9 +429,9 @@ def test_chunked_form_with_the_kernels_equals_the_recurrence():
 
 
 def test_gdn_prefill_kernels_keep_prefill_logits(gpu_models, monkeypatch):
-    """A bf16 prefill (27B dims, 4 layers) with the kernels (auto: the measured ones; force:
-    both) and with the op path: the same last-position logits to bf16 rounding and the same
-    greedy token; the kernels really ran."""
+    """A bf16 prefill (27B dims, 4 layers) with the kernels (auto: both, each after its
+    probe; force: both, unprobed) and with the op path: the same last-position logits to bf16
+    rounding and the same greedy token; the kernels really ran."""
     from qwen38_backend.kernels import gdn_prefill as kernel
 
     model = gpu_models["27b"]
@@ -442,7 +442,8 @@ def test_gdn_prefill_kernels_keep_prefill_logits(gpu_models, monkeypatch):
         spy = lambda *a, real=real, name=name: calls.append(name) or real(*a)  # noqa: E731
         monkeypatch.setattr(kernel, name, spy)
     logits = {}
-    ran = {"auto": {"chunk_scan"}, "force": {"chunk_solve", "chunk_scan"}, "off": set()}
+    both = {"chunk_solve", "chunk_scan"}
+    ran = {"auto": both, "force": both, "off": set()}
     for choice in ran:
         monkeypatch.setenv("QWEN38_GDN_PREFILL_KERNEL", choice)
         kernel.available.cache_clear()
