@@ -71,11 +71,12 @@ from .models.gated_delta import PREFILL_ROWS_LIVE
 
 # On CUDA a finished layer's (or walk block's) buffers are released on MLX's worker thread some
 # time after the device ran it (settle.py), so a chunk's peak varies run to run above the one
-# layer's scratch this plan counts: on the H200 (27B dims, 2048-token chunk, planned 3.17 GB)
-# 2.9 GB in most chunks, up to 7.2 GB over a whole 131K prefill
-# (benchmarks/results/h200/depth131k_walk_lean_run3.json; tests/test_admission.py checks
-# every committed run of this walk against the plan).
-RELEASE_LAG = 2.5
+# layer's scratch this plan counts: on the H200 (27B dims, 2048-token chunk) up to 2.3x the
+# planned scratch over a whole 131K prefill with 384 MiB walk blocks (7.2 of 3.17 GB,
+# benchmarks/results/h200/depth131k_walk_lean_run3.json) and 2.8x with 128 MiB ones (5.05 of
+# 1.83 GB, depth131k_score128.json): the late buffers are not all scores. tests/test_admission.py
+# checks every committed run of this walk against the plan at its own block size.
+RELEASE_LAG = 2.8
 
 PLAN_OPTIONS = frozenset(
     {
@@ -270,8 +271,8 @@ def default_prefill_chunk() -> int:
     and 128 on the CPU. On the CPU throughput is the same (measured on the demo) and a chunk
     is what a cancel waits for; on the H200 a chunk re-reads all weights, and 2048 prefilled
     27B dims ~2x faster at depth than 512 (benchmarks/results/h200/, README), for a walk
-    scratch of SCORE_BLOCKS_LIVE x 384 MiB of scores (kv/blocked.py). Metal machines share
-    their RAM with the weights, so they keep 512."""
+    scratch of SCORE_BLOCKS_LIVE x BLOCK_SCORE_BYTES of scores (kv/blocked.py). Metal
+    machines share their RAM with the weights, so they keep 512."""
     env = os.environ.get("QWEN38_PREFILL_CHUNK", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:

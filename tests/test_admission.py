@@ -369,39 +369,53 @@ LEAN_WALK_RUNS = [
     "depth131k_settle_block_off.json",
     "depth131k_settle_block_off_run2.json",
     "depth131k_settle_block_on.json",
+    "depth131k_score384.json",
+    "depth131k_score192.json",
+    "depth131k_score128.json",
+    "depth131k_score128b.json",
+    "depth131k_score128c.json",
 ]
 
 
-def test_cuda_plan_covers_every_measured_prefill_peak():
+def test_cuda_plan_covers_every_measured_prefill_peak(monkeypatch):
     """On CUDA the planned prefill scratch covers the worst peak measured on the H200 (its
-    buffers are released late, run to run: admission.RELEASE_LAG); elsewhere the plan is one
+    buffers are released late, run to run: admission.RELEASE_LAG), each run planned at the walk
+    block it ran with (runs before --block-score-mib used 384 MiB); elsewhere the plan is one
     layer's scratch (the CPU releases at once)."""
     import json
     from pathlib import Path
+
+    from qwen38_backend.kv import blocked
 
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200"
     held = []
     for name in LEAN_WALK_RUNS:
         run = json.loads((results / name).read_text())
         assert (run["dims"], run["layers"], run["prefill_chunk"]) == ("27b", 64, 2048)
+        mib = run.get("block_score_mib") or 384
         for length, row in run["lengths"].items():
             over = row["peak_memory_bytes"] - row["resident_before_bytes"] - row["kv_bytes"]
-            held.append((over, name, int(length)))
+            held.append((over, name, int(length), mib))
     worst = max(held)
-    for over, name, length in held:
+
+    def scratch(length: int, mib: int, release_lag: bool) -> int:
+        monkeypatch.setattr(blocked, "BLOCK_SCORE_BYTES", mib << 20)
+        cfg = qwen38_27b_config()
         plan = memory_plan(
-            qwen38_27b_config(),
+            cfg,
             length,
             dtype="bfloat16",
             prefill_chunk=2048,
             kv_paged="on",
-            release_lag=True,
+            release_lag=release_lag,
         )
-        assert plan["scratch"] >= over, (name, length, plan["scratch"], over)
-    cpu = memory_plan(
-        qwen38_27b_config(), worst[2], dtype="bfloat16", prefill_chunk=2048, release_lag=False
-    )
-    assert cpu["scratch"] < worst[0] < plan["scratch"]
+        return plan["scratch"]
+
+    for over, name, length, mib in held:
+        planned = scratch(length, mib, release_lag=True)
+        assert planned >= over, (name, length, mib, planned, over)
+    over, _, length, mib = worst
+    assert scratch(length, mib, release_lag=False) < over < scratch(length, mib, release_lag=True)
 
 
 def test_tight_memory_runs_a_settled_prefill(dense, monkeypatch):

@@ -33,10 +33,12 @@ from ..settle import settle, settling
 # Keys per block of the walk, at most. Scores of one block are [Hq, T, block] fp32: 2048 keys
 # with a 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
 BLOCK_TOKENS = 2048
-# A longer chunk walks shorter blocks so one block's scores stay within this (384 MiB: a
-# 2048-token chunk of 24 heads keeps whole 2048-key blocks; shorter blocks cost launches:
-# 512-key ones prefilled 131K 30% slower on the H200), but never below MIN_BLOCK_TOKENS.
-BLOCK_SCORE_BYTES = 384 << 20
+# A longer chunk walks shorter blocks so one block's scores stay within this, but never below
+# MIN_BLOCK_TOKENS. 128 MiB: a 2048-token chunk of 24 heads walks 672-key blocks (32-token
+# pages). On the H200 (27B dims, 64 layers, 131K) that held the prefill peak to 1.049-1.081x
+# weights + KV in three runs where 384 MiB (2048-key blocks) reached 1.061-1.103x in four, for
+# ~9% of prefill speed (2,216 vs 2,445 tok/s, medians; results/h200/depth131k_score*.json).
+BLOCK_SCORE_BYTES = 128 << 20
 MIN_BLOCK_TOKENS = 256
 # One-shot attention also runs when its scores [Hq, T, past + T] fp32 stay this small: the
 # fused kernel is faster than the walk at short contexts, and the bound is still a constant.
