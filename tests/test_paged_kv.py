@@ -496,3 +496,25 @@ def test_generation_reports_kv_stats(tmp_path):
     assert kv["pool_bytes"] > 0 and "selection_time_share" in kv
     state = model.new_state(kv_topk=32)
     assert collect_kv_stats(state)["pages_resident"] == 0
+
+
+def test_demo_spilled_equals_resident(demo_model, tmp_path):
+    """The demo (the README's model, fp32) with a 96-token pool under a 150-token prompt and
+    Quest: the same greedy tokens as all resident, with pages really spilled and fetched."""
+    rng = np.random.default_rng(5)
+    ids = rng.integers(10, demo_model.config.vocab_size - 10, 150).tolist()
+    kv = {"kv_paged": "on", "kv_page_tokens": 16, "kv_sinks": 16, "kv_recent": 16, "kv_topk": 32}
+
+    def run(**extra):
+        state = demo_model.new_state(**kv, **extra)
+        params = SamplingParams(max_tokens=16, stop_token_ids=[], temperature=0.0)
+        return list(demo_model.run(ids, state, params)), state
+
+    ref, _ = run()
+    out, state = run(kv_pool_tokens=96, kv_spill_dir=str(tmp_path))
+    assert out == ref
+    stats = collect_kv_stats(state)
+    layers = demo_model.config.num_hidden_layers
+    assert stats["pool_pages"] == layers * 6
+    assert stats["pages_spilled"] >= layers * (10 - 6)  # 166 tokens = 11 pages, 6 resident
+    assert stats["pages_fetched"] > 0 and stats["spill_read_bytes"] > 0
