@@ -83,10 +83,10 @@ _KEYS = """
 TOP_THREADS = 1024  # one block per row: 32 warps
 
 _TOP = """
-    constexpr int T = __THREADS__, WARPS = T / 32;
+    constexpr int NT = __THREADS__, WARPS = NT / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int capacity = keys_shape[1];
-    const unsigned long long* row = keys + (long long)blockIdx.x * capacity;
+    const auto* row = keys + (long long)blockIdx.x * capacity;  // uint64 order keys
     __shared__ unsigned int hist[256];
     __shared__ unsigned long long found;
     __shared__ int left;
@@ -97,9 +97,9 @@ _TOP = """
     unsigned long long prefix = 0ull, mask = 0ull;
     int want = K;
     for (int shift = 56; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += T) hist[b] = 0u;
+        for (int b = threadIdx.x; b < 256; b += NT) hist[b] = 0u;
         __syncthreads();
-        for (int base = 0; base < capacity; base += T) {
+        for (int base = 0; base < capacity; base += NT) {
             const int i = base + threadIdx.x;
             unsigned int bin = 256u;  // no key here, or one outside the prefix
             if (i < capacity) {
@@ -125,7 +125,7 @@ _TOP = """
         mask |= 255ull << shift;
     }
     // prefix is now the K-th largest key (keys are unique): the selection is every key >= it.
-    const int per = (capacity + T - 1) / T;
+    const int per = (capacity + NT - 1) / NT;
     const int start = min((int)threadIdx.x * per, capacity), stop = min(start + per, capacity);
     int count = 0;
     for (int i = start; i < stop; ++i) count += row[i] >= prefix;
@@ -148,9 +148,9 @@ _TOP = """
     }
     __syncthreads();
     int at = scan - count + (warp > 0 ? warp_sums[warp - 1] : 0);
-    int* out = ids + (long long)blockIdx.x * K;
+    auto* out = ids + (long long)blockIdx.x * K;
     for (int i = start; i < stop && at < K; ++i) {
-        if (row[i] >= prefix) out[at++] = i;
+        if (row[i] >= prefix) out[at++] = static_cast<int>(i);
     }
 """
 
