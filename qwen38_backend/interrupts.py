@@ -20,12 +20,17 @@ def first_sigint_cancels(
 ) -> Iterator[threading.Event]:
     """Inside: the first SIGINT sets `cancel` (and calls `notice`), a further one raises
     KeyboardInterrupt as usual. Off the main thread (where handlers cannot be set) nothing
-    changes."""
+    changes. Leaving on another thread (a stream abandoned mid-answer and closed by the
+    garbage collector, which runs on whichever thread allocates: `llm ... | head`) cannot put
+    the previous handler back; the handler then passes every SIGINT on to it."""
     if threading.current_thread() is not threading.main_thread():
         yield cancel
         return
+    left = threading.Event()
 
     def on_sigint(signum, frame):
+        if left.is_set():
+            return _pass_on(previous, signum, frame)
         if cancel.is_set():
             raise KeyboardInterrupt
         cancel.set()
@@ -36,4 +41,14 @@ def first_sigint_cancels(
     try:
         yield cancel
     finally:
-        signal.signal(signal.SIGINT, previous)
+        left.set()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+
+
+def _pass_on(handler, signum: int, frame) -> None:
+    """What `handler` (a signal.signal result) does with a signal."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:
+        raise KeyboardInterrupt  # SIG_DFL, or a handler not set from Python

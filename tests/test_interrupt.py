@@ -155,3 +155,65 @@ def test_sigint_qwen38_run(cli, long_tiny, tmp_path: Path):
     code, _, err, elapsed = run.interrupt(within=30)
     assert "terminate called" not in err and "Traceback" not in err, err
     assert code == 130 and elapsed < 30
+
+
+def test_a_closed_pipe_ends_llm_without_a_traceback(cli, long_tiny):
+    """`llm ... | head -c 20`: the reader goes away mid-answer. llm reports the broken pipe;
+    the abandoned answer's clean-up (which may run on any thread, as garbage collection
+    does) must not print a traceback of its own, and Ctrl-C must still reach the program."""
+    args = [sys.executable, "-m", "llm", "-m", long_tiny, "hello", "-o", "think", "false"]
+    args += ["-o", "max_tokens", "20000"]
+    proc = subprocess.Popen(
+        args,
+        env={**cli.env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.read(20)
+    proc.stdout.close()  # what head does after its 20 bytes
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("llm kept running after its reader left") from None
+    assert "Broken pipe" in err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_stream_closed_on_another_thread_leaves_sigint_to_the_program():
+    """An answer's generator entered first_sigint_cancels on the main thread and is closed on
+    another one (the garbage collector's thread, after `llm ... | head`): closing raises
+    nothing (it raised "signal only works in main thread"), and a later SIGINT does what
+    the program's own handler does instead of cancelling a finished answer."""
+    import os
+
+    from qwen38_backend.interrupts import first_sigint_cancels
+
+    cancel = threading.Event()
+
+    def answer():
+        with first_sigint_cancels(cancel):
+            yield "chunk"
+
+    stream = answer()
+    assert next(stream) == "chunk"
+    errors = []
+
+    def close() -> None:
+        try:
+            stream.close()
+        except Exception as e:  # noqa: BLE001 - what the test looks for
+            errors.append(e)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join()
+    try:
+        assert errors == []
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs on the main thread between bytecodes
+        assert not cancel.is_set()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
