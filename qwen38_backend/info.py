@@ -100,10 +100,11 @@ def _tier_summary(plan, available: int | None) -> list[str]:
     from .admission import _human, free_disk, plan_verdict
 
     P = plan.page_tokens
-    pool = "unbounded" if plan.pool_pages is None else f"{plan.pool_pages * P:,} tokens per layer"
+    pool = "unbounded" if plan.pool_pages is None else f"at most {plan.pool_pages * P:,} tokens"
+    resident = f"{plan['kv']:,} bytes ({_human(plan['kv'])})"
     out = [
         "with the SSD tier (kv_paged=on, auto pool; set kv_pool_tokens / kv_spill_dir):",
-        f"  pool   {pool}: {plan['kv']:,} bytes ({_human(plan['kv'])}) resident",
+        f"  pool   {pool} per layer; {resident} resident at {plan.context:,} tokens",
     ]
     if plan.disk:
         free = free_disk(plan.spill_dir)

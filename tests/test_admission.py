@@ -239,6 +239,11 @@ def test_info_shows_pool_spill_and_verdict(tmp_path):
     text = describe(str(path), context=262_144)
     assert "memory plan: dense, 262,144 tokens" in text and "verdict:" in text
     assert "with the SSD tier" in text and "pool " in text and "spill " in text
+    # the auto pool is a cap: what is resident is the context's KV when that is smaller
+    small = describe(str(path), context=1000)
+    assert re.search(
+        r"pool   at most [\d,]+ tokens per layer; [\d,]+ bytes .* resident at 1,000", small
+    )
     bounded = describe(
         str(path), context=262_144, kv_pool_tokens=4096, kv_spill_dir=str(tmp_path / "s")
     )
