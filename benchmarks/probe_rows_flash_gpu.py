@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import write_json  # noqa: E402
+from common import environment, write_json  # noqa: E402
 
 STORES = {"contiguous": {}, "paged": {"kv_paged": "on", "kv_page_tokens": 16}}
 MODES = ("as_is", "split", "split_all")
@@ -82,8 +82,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    import mlx.core as mx
-
     import qwen38_backend
     from qwen38_backend.testing import make_tiny_weights
 
@@ -98,8 +96,7 @@ def main() -> None:
     histories = {"within_budget": max(budget // 2, 3), "past_budget": 3 * budget + 5}
     tail = [(13 * i + 11) % vocab + 2 for i in range(args.rows)]
     result = {
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
+        "environment": environment(),
         "dims": args.dims,
         "layers": cfg.num_hidden_layers,
         "rows": args.rows,
