@@ -209,6 +209,7 @@ def main() -> None:
             "resident_before_bytes": base,
             "kv_bytes": kv_bytes,
             "peak_over_weights_plus_kv": peak / (weights_bytes + kv_bytes),
+            "decode_tokens": args.decode,  # the rates below time decode - 1 steps
             "decode_quest_tok_s": quest,
             "decode_dense_tok_s": dense,
             "quest_kv_stats": {k: v for k, v in quest_kv.items() if "spill" in k or "fetch" in k},
