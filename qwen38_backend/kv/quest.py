@@ -24,6 +24,7 @@ selection recall the most attention mass at the same token budget (8-token pages
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from functools import lru_cache, partial
 
 import mlx.core as mx
@@ -292,13 +293,7 @@ def top_mismatch() -> str | None:
 
 @lru_cache(maxsize=1)
 def _top_agrees() -> bool:
-    try:
-        why = top_mismatch()
-    except Exception as e:  # noqa: BLE001 - any failure means: use the op path
-        why = f"unavailable ({e})"
-    if why is not None:
-        warnings.warn(f"Quest top-k kernel {why}; using the op path", stacklevel=2)
-    return why is None
+    return _probe_passes("top-k", top_mismatch)
 
 
 def top_kernel_usable(keys: mx.array, n_select: int) -> bool:
@@ -313,12 +308,17 @@ def top_kernel_usable(keys: mx.array, n_select: int) -> bool:
 
 @lru_cache(maxsize=16)
 def _kernel_agrees(hq: int, hkv: int, d: int, q_dtype: mx.Dtype, meta_dtype: mx.Dtype) -> bool:
+    return _probe_passes("page-key", partial(kernel_mismatch, hq, hkv, d, q_dtype, meta_dtype))
+
+
+def _probe_passes(kernel: str, mismatch: Callable[[], str | None]) -> bool:
+    """Whether a kernel's probe finds nothing wrong; else a warning, and the op path runs."""
     try:
-        why = kernel_mismatch(hq, hkv, d, q_dtype, meta_dtype)
+        why = mismatch()
     except Exception as e:  # noqa: BLE001 - any failure means: use the op path
         why = f"unavailable ({e})"
     if why is not None:
-        warnings.warn(f"Quest page-key kernel {why}; using the op path", stacklevel=2)
+        warnings.warn(f"Quest {kernel} kernel {why}; using the op path", stacklevel=3)
     return why is None
 
 
