@@ -5,10 +5,8 @@ at ~0.4 TB/s (issue 15: 131K tokens cost ~21 ms more per token than 4K), far fro
 4.8 TB/s bound, and GQA makes it read each KV head once per query head.
 
 Two launches:
-- partial: one block per (split of the sequence, KV head, query row: a speculative verify's
-  rows of one split and head launch side by side, so they can share the tiles' trips from
-  memory through L2). The block streams its rows in tiles of TILE through a STAGES-deep
-  cp.async pipeline in shared memory (16-byte copies;
+- partial: one block per (split of the sequence, KV head). The block streams its rows in
+  tiles of TILE through a STAGES-deep cp.async pipeline in shared memory (16-byte copies;
   views whose strides do not allow them are copied element by element), and serves all
   G = Hq / Hkv query heads of its group from each tile, so K and V are read once per group.
   Scores, the running max / sum and the unnormalised output are fp32.
@@ -117,11 +115,7 @@ _PARTIAL = """
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // query row qt (of NQ) is the position L - NQ + qt: it reads the first L_row keys in
     // its own n_splits splits, as a one-row call of that length does
-    // the rows of one (split, KV head) are neighbours in launch order, so they run in the
-    // same wave and read the same K/V tiles while they are in L2 (a block's work does not
-    // depend on where it sits in the grid)
-    const int NQ = splits_shape[0];
-    const int qt = blockIdx.x % NQ, split = blockIdx.x / NQ, kvh = blockIdx.y;
+    const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
     const int n_splits = splits[qt];
     if (split >= n_splits) return;                 // the whole block: no barrier is skipped
     // paged (P > 0): the keys are the first n_keys[0] logical rows of a page list, row r
@@ -317,7 +311,7 @@ _PARTIAL = """
             for (int e = 0; e < VEC; ++e)
                 red[(rg * G + h) * D + (c0 + NVL * j) * VEC + e] = acc[h][j * VEC + e];
     __syncthreads();
-    const int max_splits = gridDim.x / NQ;
+    const int max_splits = gridDim.x;
     const long long base = (((long long)qt * gridDim.y + kvh) * max_splits + split) * G;
     for (int x = tid; x < G * D; x += THREADS) {
         float sum = 0.0f;
@@ -503,7 +497,7 @@ def decode_attention(
     o_part, m_part, l_part = _partial_kernel(k.dtype, d, group)(
         inputs=[qf, k, v, per_row, page_list, length_arg],
         template=[("T", k.dtype), ("D", d), ("G", group), ("P", page_tokens)],
-        grid=(most * rows * THREADS, hkv, 1),
+        grid=(most * THREADS, hkv, rows),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[
             (rows, hkv, most, group, d),
