@@ -12,7 +12,9 @@ for each way the few-row products could run:
   indexer, PLE, shared-expert gate) row by row, `project` row by row where its probe found
   rows that differ;
 - split_all: every product row by row (only attention, QSA scoring and the experts take the
-  rows together).
+  rows together);
+- split_all_op_by_op: split_all with the plain steps built op by op, as a verify is
+  (Qwen4ExpBlock.compile_decode off: no fused elementwise graphs in either).
 For each: contiguous and paged stores, a history inside QSA's budget and one past it.
 """
 
@@ -30,23 +32,26 @@ sys.path.insert(0, str(HERE))
 from common import environment, write_json  # noqa: E402
 
 STORES = {"contiguous": {}, "paged": {"kv_paged": "on", "kv_page_tokens": 16}}
-MODES = ("as_is", "split", "split_all")
+MODES = ("as_is", "split", "split_all", "split_all_op_by_op")
 
 
 @contextmanager
 def rows_mode(mode: str):
     """rows.py's plan on this device as `mode` says (module docstring)."""
     from qwen38_backend import rows
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
 
     saved = rows._splits, rows._split_plan
     if mode != "as_is":
         rows._splits = lambda: True
-    if mode == "split_all":
+    if mode.startswith("split_all"):
         rows._split_plan = lambda dtype, net, n: "all" if 1 < n <= rows.STEP_MAX_ROWS else None
+    Qwen4ExpBlock.compile_decode = not mode.endswith("op_by_op")
     try:
         yield
     finally:
         rows._splits, rows._split_plan = saved
+        Qwen4ExpBlock.compile_decode = True
 
 
 def compare(model, prefix: list[int], tail: list[int], store: dict) -> dict:

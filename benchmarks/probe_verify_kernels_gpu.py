@@ -6,7 +6,9 @@ under Nsight Compute (`ncu`), each between two marker launches, summed by kernel
     python benchmarks/probe_verify_kernels_gpu.py --parse k.csv --out verify_kernels.json
 
 Qwen3.8-27B dims (random bf16 weights), `--layers` layers (the 27B's order: three Gated
-DeltaNet layers, then full attention), the engine's default state at `--context` tokens; per
+DeltaNet layers, then full attention), or with `--model flash` Flash-Next's real per-layer
+dims (every 4th layer QSA, `--experts` experts in 4-bit, the rest bf16; `--rows 1` is a plain
+decode step), the engine's default state at `--context` tokens; per
 row count in `--rows`, one forward of that many rows, rewound after. ncu runs kernels one at
 a time, so each kernel's time is its own (no overlap, no launch gaps): the sum is the
 device's work, not a step's wall time. `--parse` groups the kernels between each pair of
@@ -33,7 +35,14 @@ def run(args) -> None:
     import mlx.core as mx
     from bench_gpu_27b import prompt, random_model
 
-    model, config, _ = random_model("27b", args.layers, "bfloat16")
+    if args.model == "flash":
+        from bench_qsa_depth import flash_config
+        from bench_qsa_depth import random_model as flash_model
+
+        config = flash_config("flash", args.layers, args.experts, None)
+        model, _ = flash_model(config, "bfloat16", 0, experts_bits=4)
+    else:
+        model, config, _ = random_model("27b", args.layers, "bfloat16")
     vocab = config["text_config"]["vocab_size"]
     state = model.new_state()
     mx.eval(model.prefill(prompt(args.context, vocab), state))
@@ -121,6 +130,8 @@ def parse(path: str, rows: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="27b", choices=["27b", "flash"])
+    ap.add_argument("--experts", type=int, default=512, help="--model flash: experts per layer")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=[1, 2, 5])
@@ -128,7 +139,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.parse:
-        result = {"layers": args.layers, "context": args.context}
+        result = {"model": args.model, "layers": args.layers, "context": args.context}
         result["rows"] = parse(args.parse, args.rows)
         write_json(result, args.out)
         for r, v in result["rows"].items():
