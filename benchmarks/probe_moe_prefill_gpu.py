@@ -120,10 +120,10 @@ def main() -> None:
             x.astype(mx.float32),
             inds,
             E,
-            lambda buf: moe._swiglu(
-                buf @ stack("gate_up_proj", to=mx.float32).swapaxes(-1, -2), inter
-            )
-            @ stack("down_proj", to=mx.float32).swapaxes(-1, -2),
+            lambda buf: (
+                moe._swiglu(buf @ stack("gate_up_proj", to=mx.float32).swapaxes(-1, -2), inter)
+                @ stack("down_proj", to=mx.float32).swapaxes(-1, -2)
+            ),
         )
         mx.eval(ref)
         row = {

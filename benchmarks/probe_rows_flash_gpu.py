@@ -2,12 +2,14 @@
 
     python benchmarks/probe_rows_flash_gpu.py --out rows_flash.json
 
-Flash-Next does not draft on a GPU (Qwen4ExpModel.rows_exact is False): its experts, QSA
-selection and hyper-connection mixes take a verify's rows together. This probe measures what
+Before session 18 Flash-Next did not draft on a GPU: its experts, QSA selection and
+hyper-connection mixes took a verify's rows together, and its plain steps ran compiled
+graphs a verify did not. This probe measures what
 a verify of --rows positions computes against the plain steps at the same positions (random
 weights, bf16; the tiny test config, or real per-layer dims with --dims flash), bit for bit,
 for each way the few-row products could run:
-- as_is: what a GPU runs today (every product takes the rows together);
+- as_is: what the device runs now (rows.py's plan there; before session 18 every product
+  took the rows together);
 - split: the CPU's plan (rows.py): the products outside `project` (router, stream mixes,
   indexer, PLE, shared-expert gate) row by row, `project` row by row where its probe found
   rows that differ;
@@ -84,6 +86,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--rows", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", help="float32 on the CPU (its gather_mm)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of the modes to run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -110,7 +113,7 @@ def main() -> None:
         "histories": histories,
         "modes": {},
     }
-    for mode in MODES:
+    for mode in args.modes.split(","):
         with rows_mode(mode):
             table = {}
             for store_name, store in STORES.items():

@@ -116,7 +116,9 @@ def _quantized_plan(net: nn.Module, dtype: mx.Dtype) -> tuple[str, frozenset, in
 
 def _split_plan(dtype: mx.Dtype, net: nn.Module | None, rows: int) -> Split:
     if not _splits():
-        return None
+        # an unpadded forward (a family keeping its one-row kernels) on a GPU: each row of a
+        # step's product the kernel does not take is a one-row product, as a plain step's is
+        return "all" if _UNPADDED.get() and 1 < rows <= STEP_MAX_ROWS else None
     if net is None or rows == 0:  # nothing to probe: every step product row by row
         return "all"
     if not 1 < rows <= STEP_MAX_ROWS:
@@ -210,8 +212,9 @@ def forward_pad() -> int:
 
 @contextmanager
 def unpadded() -> Iterator[None]:
-    """Products built inside are not padded: a family that never verifies on a GPU
-    (CausalLM.rows_exact False) keeps its one-row kernels (on the H200 a 27B step with
+    """Products built inside are not padded: a family that keeps its one-row kernels
+    (Flash-Next: its experts' gather_qmm) runs a step's rows one at a time instead where the
+    row-invariant kernel does not take them (`_split_plan`; on the H200 a 27B step with
     padded products decodes ~18% slower: benchmarks/results/h200/decode_padding.json)."""
     token = _UNPADDED.set(True)
     try:
@@ -257,16 +260,10 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
     where `prepare` chose it, a quantized one as `quantized_plan` decided, else fewer than
     pad_rows() rows padded; on the CPU each row of a step alone (module docstring)."""
-    pad, kernel_for = _PLAN.get()[:2]
-    if kernel_for is not None and x.shape[0] <= STEP_MAX_ROWS and x.dtype == kernel_for:
-        weight, bias = _dense_weight(linear)
-        flat = x.reshape(-1, x.shape[-1])
-        kernels = _kernel_module()
-        if weight is not None and flat.shape[0] <= STEP_MAX_ROWS and kernels.fits(flat, weight):
-            y = kernels.rows_matmul(flat, weight)
-            y = y.reshape(*x.shape[:-1], weight.shape[0])
-            return y if bias is None else y + bias
-    pad = 1 if _UNPADDED.get() else pad
+    y = _kernel_product(linear, x)
+    if y is not None:
+        return y
+    pad = 1 if _UNPADDED.get() else _PLAN.get()[0]
     mode, keys = _PLAN.get()[3]
     if pad > 1 and mode and x.shape[0] <= STEP_MAX_ROWS and _linear_key(linear) in keys:
         pad = 1  # MLX's product computes each of these few rows alone (quantized_plan)
@@ -279,11 +276,31 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
 def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
     """fn(x) for x [T, ...]; where this forward's plan splits rows (the CPU) and T is a
     step's (2..STEP_MAX_ROWS), fn of each row alone, concatenated: the plain step's call per
-    row, so no BLAS kernel chosen by the row count changes a row's bits. For a step's
-    products that do not go through `project` (a row-invariant fn needs neither)."""
+    row, so no BLAS kernel chosen by the row count changes a row's bits; a dense linear
+    through the row-invariant kernel where `prepare` chose it (on a GPU, a plain step's too).
+    For a step's products that do not go through `project` (a row-invariant fn needs
+    neither)."""
+    y = _kernel_product(fn, x)
+    if y is not None:
+        return y
     if _PLAN.get()[2] is None:
         return fn(x)
     return _row_by_row(fn, x)
+
+
+def _kernel_product(linear, x: mx.array) -> mx.array | None:
+    """linear(x) through kernels/rows_matmul.py where this forward's plan runs it and it
+    takes these operands (a dense weight, a step's rows of the kernel's dtype), else None."""
+    kernel_for = _PLAN.get()[1]
+    if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype != kernel_for:
+        return None
+    weight, bias = _dense_weight(linear)
+    flat = x.reshape(-1, x.shape[-1])
+    kernels = _kernel_module()
+    if weight is None or flat.shape[0] > STEP_MAX_ROWS or not kernels.fits(flat, weight):
+        return None
+    y = kernels.rows_matmul(flat, weight).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
 
 
 def _row_by_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:

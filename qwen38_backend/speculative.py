@@ -158,12 +158,7 @@ def parse_options(options: dict[str, Any]) -> DraftOptions:
 
 def verify_rows(model: Model) -> int:
     """The most rows a verify forward of `model` may have here with every row bit-identical
-    to the plain step at its position (rows.exact_rows); 1 (no drafting) on a GPU for a
-    family whose layers do not all step row-exactly there (CausalLM.rows_exact: Flash-Next's
-    experts, QSA and stream mixes are not padded)."""
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    if not on_cpu and not getattr(model.net, "rows_exact", False):
-        return 1
+    to the plain step at its position (rows.exact_rows)."""
     return exact_rows(model.net, model.dtype)
 
 

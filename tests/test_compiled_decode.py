@@ -130,3 +130,28 @@ def test_flash_next_compiled_step_equals_op_by_op(tmp_path, monkeypatch, paged):
     assert compiled_methods(net.model.hyper_connection_mixer) == {"read"}
     monkeypatch.setattr(Qwen4ExpBlock, "compile_decode", False)
     np.testing.assert_array_equal(compiled, detour_then_decode(net, ids, 12, factory))
+
+
+def test_flash_next_verify_rows_take_the_compiled_step(tmp_path, monkeypatch):
+    """A forward of a few rows (a speculative verify) runs Flash-Next's compiled step graphs,
+    as a plain step does (on a GPU the fused graphs round differently from ops built one by
+    one, so a verify built op by op could not match the steps: probe_rows_flash_gpu.py),
+    past QSA's dense threshold, and gives the op-by-op forward's logits on this CPU."""
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
+
+    net = tiny_flash_next(tmp_path)
+    budget = net.model.layers[3].self_attn.n_blocks * net.model.layers[3].self_attn.ratio
+    ids = prompt(budget + 40, net.config.vocab_size, seed=5)
+
+    def verify() -> np.ndarray:
+        state = net.make_state(kv_factory=ContiguousKV)
+        net(mx.array(ids[:-5]), state)  # past STEP_MAX_ROWS: the prefill path
+        state.advance(ids[:-5])
+        return np.array(net(mx.array(ids[-5:]), state))
+
+    rows = verify()
+    attention = next(b for b in net.model.layers if not b.is_linear)
+    assert compiled_methods(attention) == {"_attention_in", "_attention_out"}
+    assert compiled_methods(net.model.hyper_connection_mixer) == {"read"}
+    monkeypatch.setattr(Qwen4ExpBlock, "compile_decode", False)
+    np.testing.assert_array_equal(rows, verify())

@@ -526,8 +526,13 @@ def test_verify_rows_equal_plain_steps_on_gpu(gpu_models, dims, store):
     if dims.endswith("4bit"):  # one-row quantized products, verified unpadded (rows.py)
         mode, _, most = rows.quantized_plan(model.net, model.dtype)
         assert mode == "unpadded" and most >= 5
-    prefix, tail = [(5 * i + 3) % 200 + 2 for i in range(37)], [7, 8, 9, 10, 11]
-    one, many = model.new_state(**STORES[store]), model.new_state(**STORES[store])
+    assert_verify_rows_equal_steps(model, 37, STORES[store])
+
+
+def assert_verify_rows_equal_steps(model, history: int, store: dict) -> None:
+    """A verify of 5 positions after `history` tokens vs the plain steps, bit for bit."""
+    prefix, tail = [(5 * i + 3) % 200 + 2 for i in range(history)], [7, 8, 9, 10, 11]
+    one, many = model.new_state(**store), model.new_state(**store)
     model.prefill(prefix, one)
     model.prefill(prefix, many)
     steps = [np.array(model.forward([t], one)[-1].astype(mx.float32)) for t in tail]
@@ -537,13 +542,41 @@ def test_verify_rows_equal_plain_steps_on_gpu(gpu_models, dims, store):
         assert np.array_equal(rows[i], step), f"row {i}: max diff {np.abs(rows[i] - step).max()}"
 
 
+@pytest.fixture(scope="module")
+def flash_model(tmp_path_factory):
+    """Random tiny qwen4_exp (Flash-Next: QSA, experts, hyper-connections, PLE, MTP), bf16."""
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    path = make_tiny_weights("qwen4_exp", tmp_path_factory.mktemp("flash"), dtype="bfloat16")
+    return qwen38_backend.load(str(path), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("store", list(STORES))
+@pytest.mark.parametrize("history", [3, 37])
+def test_flash_next_verify_rows_equal_plain_steps_on_gpu(flash_model, history, store):
+    """Flash-Next's verify rows are its plain steps', bit for bit, with the verify inside
+    QSA's budget (8 tokens in the tiny config) and past it (each row's own selection): the
+    same compiled step graphs, the row-invariant kernel or one row at a time for every
+    product, one query at a time through the sparse attention."""
+    assert flash_model.net.config.indexer_budget < 37
+    assert_verify_rows_equal_steps(flash_model, history, STORES[store])
+
+
+def test_flash_next_drafted_greedy_equals_plain_on_gpu(flash_model, monkeypatch):
+    assert_drafted_greedy_equals_plain(flash_model, monkeypatch)
+
+
 @pytest.mark.parametrize("dims", ["tiny", "27b", "27b-4bit"])
 def test_drafted_greedy_equals_plain_on_gpu(gpu_models, dims, monkeypatch):
+    assert_drafted_greedy_equals_plain(gpu_models[dims], monkeypatch)
+
+
+def assert_drafted_greedy_equals_plain(model, monkeypatch) -> None:
     """Greedy with drafts == without, token for token: MTP drafts, and n-gram drafts from the
     plain stream with a third of their tokens corrupted (accepted and rejected rounds)."""
     from qwen38_backend import drafts
 
-    model = gpu_models[dims]
     prompt = [(11 * i + 5) % 300 + 2 for i in range(23)]
 
     def run(**options):

@@ -1146,3 +1146,16 @@ def test_a_stream_with_nothing_to_draft_reports_one_token_per_forward(dense):
     assert stats.drafted == 0  # this fixture's stream never repeats a token pair
     assert tokens == plain[:7] and stats.forwards == len(tokens) - 1
     assert stats.tokens_per_forward == 1.0
+
+
+def test_an_unpadded_step_splits_its_rows_where_rows_are_not_split(monkeypatch):
+    """On a GPU (no split by default) a step of a few rows built unpadded (Flash-Next keeps
+    its one-row kernels) runs every product the row-invariant kernel does not take one row at
+    a time, as its plain steps run them; a one-row step, a prefill chunk and a padded step
+    do not."""
+    monkeypatch.setattr(rows, "_splits", lambda: False)
+    with rows.unpadded():
+        assert rows._split_plan(mx.float32, None, 5) == "all"
+        assert rows._split_plan(mx.float32, None, 1) is None
+        assert rows._split_plan(mx.float32, None, rows.STEP_MAX_ROWS + 1) is None
+    assert rows._split_plan(mx.float32, None, 5) is None

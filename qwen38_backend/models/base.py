@@ -16,10 +16,6 @@ class CausalLM(nn.Module):
     """Base for a family's top-level module; subclasses build `self.model` (with
     `embed_tokens`) and implement `hidden(ids, state)` and `make_state(kv_factory)`."""
 
-    # every layer steps row-exactly on any device (rows.py), so speculative verifies may
-    # run on a GPU; a family with layers that do not says False
-    rows_exact = True
-
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

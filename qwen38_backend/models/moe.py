@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..rows import per_row
+from ..rows import STEP_MAX_ROWS, per_row
 from .layers import SwiGLU
 from .parallel import all_sum, part_of, ranks, require_divisible
 
@@ -53,7 +53,7 @@ class Experts(nn.Module):
         """x [T, H], inds [T, k] -> per-(token, expert) outputs [T, k, H]."""
         T, k = inds.shape
         xe = x[:, None, None, :]  # [T, 1, 1, H]: one row per token, shared by its k experts
-        if T * k >= _SORT_THRESHOLD:
+        if _sorts(T, k):
             # Prefill: one GEMM per expert over its tokens (a per-row gather_mm re-reads the
             # expert's weights for every row, which is ~100x slower on CPU).
             return _grouped(x, inds, self.num_experts, self._grouped_mm)
@@ -111,10 +111,17 @@ class QuantizedExperts(nn.Module):
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         T, k = inds.shape
         xe = x[:, None, None, :]
-        if T * k >= _SORT_THRESHOLD:
+        if _sorts(T, k):
             return _grouped(x, inds, self.num_experts, self._grouped_mm)
         h = _swiglu(self._qmm(xe, "gate_up_proj", inds, False), self.intermediate)
         return self._qmm(h, "down_proj", inds, False).reshape(T, k, -1)
+
+
+def _sorts(T: int, k: int) -> bool:
+    """Whether T tokens' k experts each run grouped by expert (a prefill chunk) rather than
+    one product per (token, expert) pair: a step's few rows never are, so each of a verify's
+    rows is computed as its plain step computes it."""
+    return T > STEP_MAX_ROWS and T * k >= _SORT_THRESHOLD
 
 
 @cache
@@ -207,8 +214,8 @@ class SparseMoE(nn.Module):
         T, k = inds.shape
         local = inds.astype(mx.int32) - self.first_expert
         mine = (local >= 0) & (local < self.experts.num_experts)
-        if T * k < _SORT_THRESHOLD:
-            # decode: pairs of other ranks point at expert 0 with weight 0 (no host sync)
+        if not _sorts(T, k):
+            # a step: pairs of other ranks point at expert 0 with weight 0 (no host sync)
             routed = self.experts(x, mx.where(mine, local, 0).astype(mx.uint32))
             w = mx.where(mine, weights, 0.0)
             return (routed * w[..., None].astype(routed.dtype)).sum(axis=1)

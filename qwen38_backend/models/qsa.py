@@ -24,7 +24,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..rows import per_row
+from ..rows import STEP_MAX_ROWS, per_row
 from ..state import RewindError
 from .layers import Attention, RMSNorm, RopeSpec, compiled
 
@@ -420,8 +420,26 @@ class QSAAttention(Attention):
         offset: int,
     ) -> mx.array:
         """Store k/v and attend q over what the queries see: [1, Hq, T, D]."""
-        if (offset + q.shape[2]) // self.ratio <= self.n_blocks:  # every query is dense
+        T = q.shape[2]
+        if (offset + T) // self.ratio <= self.n_blocks:  # every query is dense
             return st.kv.attend(q, k, v, self.scale)
+        if 1 < T <= STEP_MAX_ROWS:
+            # a step's rows (a speculative verify) one by one, each as its plain step
+            # attends: a one-query attention's bits are not those of a query among several
+            # on a GPU (benchmarks/probe_rows_flash_gpu.py)
+            outs = [
+                self.attend(
+                    q[:, :, i : i + 1],
+                    k[:, :, i : i + 1],
+                    v[:, :, i : i + 1],
+                    qi[i : i + 1],
+                    positions[i : i + 1],
+                    st,
+                    offset + i,
+                )
+                for i in range(T)
+            ]
+            return mx.concatenate(outs, axis=2)
         st.kv.store(k, v)
         return self._attend_selected(q, qi, positions, st, offset)
 

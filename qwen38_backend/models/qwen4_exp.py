@@ -21,7 +21,7 @@ from .. import rows
 from ..config import LINEAR, QSA, Qwen4ExpConfig
 from ..errors import InvalidOptionError, WeightsError
 from ..kv.contiguous import ContiguousKV
-from ..rows import unpadded
+from ..rows import STEP_MAX_ROWS, unpadded
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
@@ -167,11 +167,12 @@ class Qwen4ExpBlock(nn.Module):
     compile_decode = True
 
     def __call__(self, R: mx.array, ids: mx.array | None, st, offset: int) -> mx.array:
-        decode = R.shape[0] == 1 and self.compile_decode
+        # a step (a token, or a verify's few rows: the same graphs, so the same fusions)
+        decode = R.shape[0] <= STEP_MAX_ROWS and self.compile_decode
         if self.has_ple:
             R = R + self.ple(R, ids, st.ple, compile=decode)
             st = st.mixer
-        # one token: the mixer, the router, experts, shared expert and both stream mixes
+        # a step: the mixer, the router, experts, shared expert and both stream mixes
         # replayed as compiled graphs instead of ~150 ops encoded from Python per layer
         if self.is_linear and decode:
             return self.decode_linear(R, st)
@@ -188,18 +189,20 @@ class Qwen4ExpBlock(nn.Module):
         return decode_step(self, R, state)
 
     def decode_attention(self, R: mx.array, st: QSAState, offset: int) -> mx.array:
-        """One token through the whole layer: compiled up to QSA's state writes, then its
+        """A step through the whole layer: compiled up to QSA's state writes, then its
         selection (compiled apart: its shapes follow the index buffer) and the store's gather,
         and compiled again from the attention output on (MoE included)."""
         at = mx.array(offset, dtype=mx.int32)  # an input: a Python int would be traced in
         inj, qi, raw, q, k, v, gate = compiled(self, "_attention_in")(R, at)
         self.self_attn.cache_keys(raw, st, compile=True)
-        out = self.self_attn.attend(q, k, v, qi, at.reshape(1), st, offset)
+        positions = mx.arange(offset, offset + R.shape[0], dtype=mx.int32)
+        out = self.self_attn.attend(q, k, v, qi, positions, st, offset)
         return compiled(self, "_attention_out")(R, inj, out, gate)
 
     def _attention_in(self, R: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         x, inj = self.attn_hyper_connection.open(R)
-        qi, raw = self.self_attn.index_query(x, offset.reshape(1))
+        positions = offset + mx.arange(R.shape[0], dtype=mx.int32)
+        qi, raw = self.self_attn.index_query(x, positions)
         return (inj, qi, raw, *self.self_attn.project_qkv(x, offset))
 
     def _attention_out(self, R: mx.array, inj: mx.array, out: mx.array, gate: mx.array):
@@ -238,11 +241,6 @@ class Qwen4ExpBody(nn.Module):
 class Qwen4ExpModel(CausalLM):
     """Causal LM over token ids [T] of one sequence; per-layer state lives in `state`."""
 
-    # experts (gather_mm), QSA's selection and the stream mixes take a few rows as they come:
-    # on a GPU a verify row could differ from a plain step (rows.py), so no drafting there,
-    # and nothing is padded (rows.unpadded)
-    rows_exact = False
-
     def __init__(self, cfg: Qwen4ExpConfig):
         super().__init__(cfg)
         self.model = Qwen4ExpBody(cfg)
@@ -256,9 +254,9 @@ class Qwen4ExpModel(CausalLM):
         """The residual streams after the last layer, [T, hc * hidden] (the MTP head's input)."""
         offset = state.offset
         R = mx.tile(self.model.embed_tokens(ids), (1, self.config.hc_count))
-        rows.prepare(R.dtype, self, ids.shape[0])
         eager = state.eager_layers(ids.shape[0])
         with unpadded():  # see logits_from_residual
+            rows.prepare(R.dtype, self, ids.shape[0])
             layers = zip(self.model.layers, state.layers, strict=True)
             for i, (layer, layer_state) in enumerate(layers):
                 R = layer(R, ids, layer_state, offset)
@@ -271,8 +269,10 @@ class Qwen4ExpModel(CausalLM):
 
     def logits_from_residual(self, R: mx.array) -> mx.array:
         read = self.model.hyper_connection_mixer.read
-        with unpadded():  # rows_exact: no verify runs here on a GPU, so nothing to pad
-            if R.shape[0] == 1 and Qwen4ExpBlock.compile_decode:  # one token: one replay
+        # Unpadded: a step keeps its one-row kernels (the experts' gather_qmm among them); a
+        # verify's rows take the row-invariant kernel or run one by one (rows._split_plan).
+        with unpadded():
+            if R.shape[0] <= STEP_MAX_ROWS and Qwen4ExpBlock.compile_decode:  # one replay
                 read = compiled(self.model.hyper_connection_mixer, "read")
             return self.logits_from_hidden(read(R))
 
