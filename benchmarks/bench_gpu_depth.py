@@ -35,18 +35,6 @@ def decode(model, state, logits, n: int) -> float:
     return decode_rate(times)
 
 
-def decode_op_topk(model, state, logits, n: int) -> float:
-    """decode(), with Quest's top-k by its compiled ops (the top-k kernel turned away)."""
-    from qwen38_backend.kv import quest
-
-    usable = quest.top_kernel_usable
-    quest.top_kernel_usable = lambda keys, n_select: False
-    try:
-        return decode(model, state, logits, n)
-    finally:
-        quest.top_kernel_usable = usable
-
-
 def attention_layers(state) -> list:
     return [layer for layer in state.layers if hasattr(layer, "budget_pages")]
 
@@ -130,12 +118,6 @@ def main() -> None:
         "(QWEN38_QUEST_KERNEL=off) and the selected rows gathered before attention",
     )
     ap.add_argument(
-        "--topk-compare",
-        action="store_true",
-        help="Quest decode a second time with its top-k by compiled MLX ops instead of the "
-        "top-k kernel (kernels/quest_select.top_pages), same state, same run",
-    )
-    ap.add_argument(
         "--churn",
         type=float,
         default=None,
@@ -216,7 +198,6 @@ def main() -> None:
         before = read_totals(state)
         quest = decode(model, state, logits, args.decode)
         quest_kv = collect_kv_stats(state)
-        op_topk = decode_op_topk(model, state, logits, args.decode) if args.topk_compare else None
         spill = spill_reads(state, before)
         for layer in attention_layers(state):
             layer.budget_pages = 1 << 30  # covers everything: dense attention through pages
@@ -230,7 +211,6 @@ def main() -> None:
             "peak_over_weights_plus_kv": peak / (weights_bytes + kv_bytes),
             "decode_tokens": args.decode,  # the rates below time decode - 1 steps
             "decode_quest_tok_s": quest,
-            "decode_quest_op_topk_tok_s": op_topk,
             "decode_dense_tok_s": dense,
             "quest_kv_stats": {k: v for k, v in quest_kv.items() if "spill" in k or "fetch" in k},
             "spill_reads": spill,

@@ -14,13 +14,6 @@ order key: (the bound's order-preserving bits) << 32 | ~page id, +inf for forced
 another order than the op path's matmuls (fp32 rounding apart); kv/quest.py probes the
 selection against the op path once per shape before it uses the kernel (this module imports
 nothing of the package).
-
-`top_pages` is the selection's top-k in one launch (quest.top_pages as MLX ops is an
-argpartition, a slice, a cast and a sort). One block per row: a radix select over the unique
-uint64 keys, 8 bits a pass from the top (a shared 256-bin histogram of the keys that share
-the digits found so far, warp-aggregated), finds the n_select-th largest key exactly; then
-every thread counts the keys >= it in its contiguous stretch of pages, a block scan turns the
-counts into offsets, and each thread writes its page ids in order: ascending, as the op path.
 """
 
 from __future__ import annotations
@@ -78,108 +71,6 @@ _KEYS = """
     keys[(long long)row * capacity + page] =
         ((unsigned long long)ordered << 32) | (0xFFFFFFFFull - (unsigned long long)page);
 """
-
-
-TOP_THREADS = 1024  # one block per row: 32 warps
-
-_TOP = """
-    constexpr int NT = __THREADS__, WARPS = NT / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int capacity = keys_shape[1];
-    const auto* row = keys + (long long)blockIdx.x * capacity;  // uint64 order keys
-    __shared__ unsigned int hist[256];
-    __shared__ unsigned long long found;
-    __shared__ int left;
-    __shared__ int warp_sums[WARPS];
-
-    // Radix select: `prefix` holds the top digits of the K-th largest key found so far,
-    // `want` its rank (from the top) among the keys that share them.
-    unsigned long long prefix = 0ull, mask = 0ull;
-    int want = K;
-    for (int shift = 56; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += NT) hist[b] = 0u;
-        __syncthreads();
-        for (int base = 0; base < capacity; base += NT) {
-            const int i = base + threadIdx.x;
-            unsigned int bin = 256u;  // no key here, or one outside the prefix
-            if (i < capacity) {
-                const unsigned long long key = row[i];
-                if ((key & mask) == prefix) bin = (unsigned int)((key >> shift) & 255ull);
-            }
-            const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-            if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int w = want, b = 255;
-            while (b > 0 && (int)hist[b] < w) {
-                w -= (int)hist[b];
-                --b;
-            }
-            found = prefix | ((unsigned long long)b << shift);
-            left = w;
-        }
-        __syncthreads();
-        prefix = found;
-        want = left;
-        mask |= 255ull << shift;
-    }
-    // prefix is now the K-th largest key (keys are unique): the selection is every key >= it.
-    const int per = (capacity + NT - 1) / NT;
-    const int start = min((int)threadIdx.x * per, capacity), stop = min(start + per, capacity);
-    int count = 0;
-    for (int i = start; i < stop; ++i) count += row[i] >= prefix;
-    int scan = count;  // inclusive scan over the block: warps, then the warps' totals
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, scan, o);
-        if (lane >= o) scan += up;
-    }
-    if (lane == 31) warp_sums[warp] = scan;
-    __syncthreads();
-    if (warp == 0) {
-        int total = lane < WARPS ? warp_sums[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int up = __shfl_up_sync(0xffffffffu, total, o);
-            if (lane >= o) total += up;
-        }
-        if (lane < WARPS) warp_sums[lane] = total;
-    }
-    __syncthreads();
-    int at = scan - count + (warp > 0 ? warp_sums[warp - 1] : 0);
-    auto* out = ids + (long long)blockIdx.x * K;
-    for (int i = start; i < stop && at < K; ++i) {
-        if (row[i] >= prefix) out[at++] = static_cast<int>(i);
-    }
-"""
-
-
-@functools.cache
-def _top_kernel():
-    return mx.fast.cuda_kernel(
-        name="qwen38_quest_top_pages",
-        input_names=["keys"],
-        output_names=["ids"],
-        source=_TOP.replace("__THREADS__", str(TOP_THREADS)),
-    )
-
-
-def top_pages(keys: mx.array, n_select: int) -> mx.array:
-    """quest.top_pages in one launch: the n_select page ids with the highest uint64 order
-    keys per row of `keys` [rows, capacity] (unique per row; n_select < capacity), int32
-    [rows, n_select] ascending."""
-    rows, capacity = keys.shape
-    assert 0 < n_select < capacity, (n_select, capacity)
-    (ids,) = _top_kernel()(
-        inputs=[keys],
-        template=[("K", n_select)],
-        grid=(rows * TOP_THREADS, 1, 1),
-        threadgroup=(TOP_THREADS, 1, 1),
-        output_shapes=[(rows, n_select)],
-        output_dtypes=[mx.int32],
-    )
-    return ids
 
 
 @functools.cache

@@ -24,7 +24,6 @@ selection recall the most attention mass at the same token budget (8-token pages
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from functools import lru_cache, partial
 
 import mlx.core as mx
@@ -267,58 +266,16 @@ def kernel_mismatch(
     return None
 
 
-def top_mismatch() -> str | None:
-    """Run the top-k kernel and top_pages on random order keys (ties in the scores, forced
-    and dead pages, capacities off the block's width, one row and four): None when every
-    selection is the same, else the first that differs."""
-    kernel = _kernel_module()
-    for rows, capacity, n_select, seed in (
-        (1, 1500, 64, 1),
-        (4, 8192, 2048 // 32, 2),
-        (4, 3000, 2047, 3),
-        (1, 40, 39, 4),
-    ):
-        key = mx.random.key(seed)
-        # integers: many equal scores, so the page ids decide
-        scores = mx.random.randint(-50, 50, (rows, capacity), key=key).astype(mx.float32)
-        ids = mx.arange(capacity)
-        scores = mx.where(
-            ids < 3, float("inf"), mx.where(ids >= capacity - 5, -float("inf"), scores)
-        )
-        keys = order_keys(scores)
-        if not mx.array_equal(kernel.top_pages(keys, n_select), top_pages(keys, n_select)).item():
-            return f"selections differ ({rows} rows, capacity {capacity}, {n_select} pages)"
-    return None
-
-
-@lru_cache(maxsize=1)
-def _top_agrees() -> bool:
-    return _probe_passes("top-k", top_mismatch)
-
-
-def top_kernel_usable(keys: mx.array, n_select: int) -> bool:
-    """Whether the top-k kernel picks these pages (where the page-key kernel runs, so on
-    CUDA, once its own probe passed; QWEN38_QUEST_KERNEL force skips that probe)."""
-    from ..kernels.switch import kernel_switch
-
-    if not 0 < n_select < keys.shape[-1]:
-        return False
-    return kernel_switch("QWEN38_QUEST_KERNEL") == "force" or _top_agrees()
-
-
 @lru_cache(maxsize=16)
 def _kernel_agrees(hq: int, hkv: int, d: int, q_dtype: mx.Dtype, meta_dtype: mx.Dtype) -> bool:
-    return _probe_passes("page-key", partial(kernel_mismatch, hq, hkv, d, q_dtype, meta_dtype))
-
-
-def _probe_passes(kernel: str, mismatch: Callable[[], str | None]) -> bool:
-    """Whether a kernel's probe finds nothing wrong; else a warning, and the op path runs."""
+    """Whether the page-key kernel's probe finds nothing wrong; else a warning, and the op
+    path runs."""
     try:
-        why = mismatch()
+        why = kernel_mismatch(hq, hkv, d, q_dtype, meta_dtype)
     except Exception as e:  # noqa: BLE001 - any failure means: use the op path
         why = f"unavailable ({e})"
     if why is not None:
-        warnings.warn(f"Quest {kernel} kernel {why}; using the op path", stacklevel=3)
+        warnings.warn(f"Quest page-key kernel {why}; using the op path", stacklevel=3)
     return why is None
 
 
@@ -329,9 +286,10 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
     ascending, equal to select_pages over `quest_scores` of the first n_pages pages with
     `forced_pages`. The metadata is scored over its whole capacity with the pages past
     n_pages masked out, so a graph is traced again only when the capacity grows (x1.5),
-    not every page. On CUDA the page keys come from one kernel and their top-k from another
-    (kernels/quest_select.py, where their probes passed); elsewhere the whole selection is
-    one compiled graph."""
+    not every page. On CUDA the page keys come from one kernel (kernels/quest_select.py,
+    where its probe passed) and their top-k from compiled ops (a one-launch top-k kernel
+    gained nothing on the H200: benchmarks/results/h200/depth_topk_compare.json); elsewhere
+    the whole selection is one compiled graph."""
 
     def select(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
         keys = op_page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
@@ -343,11 +301,7 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
         if kernel_usable(q, kmin, kmax):
             kernel = _kernel_module()
             keys = kernel.page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
-            if top_kernel_usable(keys, n_select):
-                picked = kernel.top_pages(keys, n_select)
-            else:
-                picked = top(keys)
-            return mx.broadcast_to(picked, (kmin.shape[0], n_select))
+            return mx.broadcast_to(top(keys), (kmin.shape[0], n_select))
         return ops(q, kmin, kmax, n_pages)
 
     return run
