@@ -127,6 +127,10 @@ def test_pool_options_and_the_factory():
         choose_kv(kv_pool_tokens=40, kv_page_tokens=32)
     with pytest.raises(InvalidOptionError, match="need the paged KV store"):
         choose_kv(kv_paged="off", kv_pool_tokens=4096)
+    # Quest's options do nothing without pages: refused by name, not ignored
+    with pytest.raises(InvalidOptionError, match="kv_sinks, kv_topk need the paged KV store"):
+        choose_kv(kv_paged="off", kv_topk=16, kv_sinks=4)
+    assert not choose_kv(kv_paged="off", kv_topk=None).paged  # unset options are not given
     with pytest.raises(InvalidOptionError):
         choose_kv(kv_pool_tokens="lots")
     with pytest.raises(InvalidOptionError):

@@ -105,6 +105,13 @@ def choose_kv(**options) -> KVChoice:
             "kv_pool_tokens and kv_spill_dir need the paged KV store (kv_paged='on' or 'auto'); "
             "kv_paged='off' keeps one contiguous buffer per layer"
         )
+    paged_only = sorted(set(options) & set(KV_DEFAULTS))
+    if paged == "off" and paged_only:  # they would do nothing: say so before any work
+        verb = "needs" if len(paged_only) == 1 else "need"
+        raise InvalidOptionError(
+            f"{', '.join(paged_only)} {verb} the paged KV store (kv_paged='on' or 'auto', or "
+            "leave kv_paged unset); kv_paged='off' attends every token of one contiguous buffer"
+        )
     return KVChoice(
         paged=paged != "off",
         mode=paged,
