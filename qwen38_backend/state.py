@@ -391,7 +391,13 @@ class SequenceState:
         self._tokens = list(snap.tokens)
         self._pending.clear()
         self._save_points.clear()  # they belonged to the history this restore replaced
+        # the snapshot's extras (a sampler's key ...), but the KV options this state was built
+        # with: a state of the same layout restored from another conversation's snapshot
+        # (another Quest budget) must not be labelled, saved and continued as that one
+        own = self.extras.get("kv_options")
         self.extras = dict(snap.extras)
+        if own is not None:
+            self.extras["kv_options"] = own
 
     # ----- rewind points for recurrent layers ---------------------------------------------
     def save_point(self) -> int:

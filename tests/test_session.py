@@ -165,6 +165,32 @@ def test_continued_kv_names_the_layout_a_conversation_was_computed_in(name, requ
     assert model.session(cache=False).continued_kv(ids) == {}
 
 
+def test_a_restored_prefix_keeps_the_options_of_the_call_that_restored_it(dense, tmp_path):
+    """A call given other KV options of the same layout (another Quest budget) reuses a
+    stored conversation's prefix, but its state, the state file it leaves and a follow-up's
+    continued_kv name its own options (they named the stored conversation's, so `llm -c`
+    went on with the other budget)."""
+    P = 16
+    first_kv = {"kv_paged": "on", "kv_page_tokens": P, "kv_topk": 2 * P}
+    second_kv = {"kv_paged": "on", "kv_page_tokens": P, "kv_topk": 4 * P}
+    directory = tmp_path / "store"
+    shared = " ".join(TURNS * 2)
+    _turn(dense.session(cache=PrefixStore(directory)), [_user(shared + " one")], **first_kv)
+    second = dense.session(cache=PrefixStore(directory))
+    msgs = [_user(shared + " two")]
+    text, done = _turn(second, msgs, **second_kv)
+    assert done.usage["cached"] > 0  # the first conversation's prefix was restored
+    assert second.state.extras["kv_options"] == second_kv
+    msgs += [{"role": "assistant", "content": text}, _user(TURNS[1])]
+    later = dense.session(cache=PrefixStore(directory))  # a new process's `llm -c`
+    ids, _ = later.render(msgs, enable_thinking=False)
+    assert later.continued_kv(ids) == second_kv
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
 def test_cache_false_stores_nothing(dense, isolated_home):
     session = dense.session(cache=False)
     _turn(session, [{"role": "user", "content": TURNS[0]}])
