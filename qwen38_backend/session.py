@@ -21,7 +21,7 @@ from .admission import (
 from .errors import Cancelled, StateFileError
 from .events import Event, StreamParser
 from .generation import GenerationStats, TokenStream
-from .kv import collect_kv_stats
+from .kv import KV_DEFAULTS, collect_kv_stats
 from .prefix_store import PrefixStore
 from .request import Request, build_request
 from .sampling import SamplingParams
@@ -140,6 +140,10 @@ class Session:
         )
         if hit is not None and hit.length > best:
             chosen = hit.kv_options
+        if chosen.get("kv_paged") == "off":
+            # files written before choose_kv refused them name Quest options beside
+            # kv_paged='off', where they did nothing
+            return {k: v for k, v in chosen.items() if k not in KV_DEFAULTS}
         return dict(chosen)
 
     def _prepare_state(self, ids: list[int], kv: dict) -> SequenceState:

@@ -187,6 +187,21 @@ def test_a_restored_prefix_keeps_the_options_of_the_call_that_restored_it(dense,
     assert later.continued_kv(ids) == second_kv
 
 
+def test_continued_kv_drops_quest_options_stored_beside_kv_paged_off(dense, tmp_path):
+    """A conversation stored before kv_topk & co. were refused beside kv_paged='off' (they
+    did nothing there) continues with kv_paged='off' alone, not with an error."""
+    session = dense.session(cache=PrefixStore(tmp_path / "store"))
+    msgs = [_user(TURNS[0])]
+    text, _ = _turn(session, msgs, kv_paged="off")
+    session.state.extras["kv_options"] = {"kv_paged": "off", "kv_topk": 16}  # as then
+    msgs += [{"role": "assistant", "content": text}, _user(TURNS[1])]
+    ids, _ = session.render(msgs, enable_thinking=False)
+    kv = session.continued_kv(ids)
+    assert kv == {"kv_paged": "off"}
+    _, done = _turn(session, msgs, **kv)
+    assert done.usage["cached"] > 0
+
+
 def _user(text: str) -> dict:
     return {"role": "user", "content": text}
 
