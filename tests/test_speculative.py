@@ -115,9 +115,10 @@ def test_options_are_checked_and_resolved_against_the_model(dense, hybrid):
 
 
 def test_no_drafting_where_verify_rows_differ_from_plain_steps(hybrid, monkeypatch):
-    """Where a verify forward's rows would not be the plain steps' bits (a family that does
-    not step row-exactly on a GPU), auto decodes plainly and an explicit draft mode is
-    refused before any work; k is bounded by what a row-exact verify takes there."""
+    """Where a verify forward's rows would not be the plain steps' bits (rows.exact_rows 1:
+    a GPU whose few-row products are not padded, QWEN38_PAD_ROWS=1), auto decodes plainly
+    and an explicit draft mode is refused before any work; k is bounded by what a row-exact
+    verify takes there."""
     assert speculative.verify_rows(hybrid) == rows.STEP_MAX_ROWS  # this CPU
     monkeypatch.setattr(speculative, "verify_rows", lambda model: 1)
     assert resolve(parse_options({}), hybrid) is None
