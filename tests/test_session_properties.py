@@ -169,6 +169,9 @@ def run_sequence(model, ops, max_window: int) -> None:
                 assert session.last_stats.finish_reason == "cancelled"
                 want = want[:cancel_after]
             assert_same_stream(got, want, margins, f"call {n} ({kind})")
+            # the state is labelled (saved, continued by `llm -c`) with this call's options,
+            # also where it was restored from another call's state file
+            assert session.state.extras["kv_options"] == kv, f"call {n}: KV options"
             previous = session.state.tokens
             if rewind and session.state.can_rewind_to(session.state.offset - rewind):
                 session.rewind(rewind)
