@@ -39,6 +39,15 @@ KV_CHOICES = [
     # save state files across spilled pages)
     {"kv_paged": "on", "kv_page_tokens": 4, "kv_topk": 4096, "kv_pool_tokens": 16},
 ]
+# Flash-Next selects with its own QSA indexer (Quest's options are refused): its pages hold
+# whole pooled blocks (a multiple of 4 tokens), and an 8-page pool spills (a decode step
+# pins its 8 selected tokens, the causal tail and the open page)
+FLASH_KV_CHOICES = [
+    {},
+    {"kv_paged": "on", "kv_page_tokens": 4},
+    {"kv_paged": "auto", "kv_page_tokens": 8},
+    {"kv_paged": "on", "kv_page_tokens": 4, "kv_pool_tokens": 32},
+]
 # Drafting must not change a stream either: auto is the MTP head where the model has one
 # (tiny qwen3_5: random weights, so mostly rejected rounds and rollbacks), n-gram drafts for all.
 DRAFT_CHOICES = [{"draft": "off"}, {"draft": "auto"}, {"draft": "ngram", "draft_tokens": 3}]
@@ -64,13 +73,27 @@ def hybrid(tmp_path_factory):
     return model
 
 
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    """Tiny Flash-Next (qwen4_exp): QSA past its 8-token budget, experts, stream mixes, PLE,
+    MTP; a step of up to rows.STEP_MAX_ROWS rows runs its compiled step graphs."""
+    from qwen38_backend.testing import make_tiny_weights
+
+    model = qwen38_backend.load(str(make_tiny_weights("qwen4_exp", tmp_path_factory.mktemp("f"))))
+    model.prefill_chunk = 16
+    return model
+
+
 @pytest.fixture
 def small_growth(monkeypatch):
     monkeypatch.setattr(ContiguousKV, "step", 4)  # buffer growth inside short prompts
 
 
-def reference(model, ids: list[int], max_tokens: int, kv: dict) -> tuple[list[int], list[float]]:
-    """Greedy tokens of a cold run, and the top-1 minus top-2 logit margin at each step."""
+def reference(
+    model, ids: list[int], max_tokens: int, kv: dict, chunk: int | None = None
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens of a cold run (prefilled `chunk` tokens a forward, default the model's),
+    and the top-1 minus top-2 logit margin at each step."""
     margins: list[float] = []
 
     def record(_tokens, logits):
@@ -82,7 +105,7 @@ def reference(model, ids: list[int], max_tokens: int, kv: dict) -> tuple[list[in
         max_tokens=max_tokens, stop_token_ids=[], logits_processors=[record]
     )
     state = model.new_state(**kv)
-    tokens = list(model.decode(model.prefill(ids, state), state, params, _Stats()))
+    tokens = list(model.decode(model.prefill(ids, state, chunk=chunk), state, params, _Stats()))
     return tokens, margins
 
 
@@ -138,7 +161,12 @@ def prompts(vocab: int, max_len: int):
     return st.lists(op, min_size=2, max_size=6)
 
 
-def run_sequence(model, ops, max_window: int) -> None:
+def run_sequence(
+    model, ops, max_window: int, kv_choices: list[dict] = KV_CHOICES, chunk: int | None = None
+) -> None:
+    """The calls of `ops` in one session, each against a cold run (prefilled `chunk` tokens
+    a forward: a chunk past rows.STEP_MAX_ROWS compares a session's few-row steps with the
+    prefill path)."""
     with tempfile.TemporaryDirectory() as tmp:
         store = PrefixStore(tmp)
         session = model.session(cache=store, admission=False)
@@ -152,7 +180,7 @@ def run_sequence(model, ops, max_window: int) -> None:
             else:
                 ids = list(extra)
             ids = ids[-max_window:]
-            kv = KV_CHOICES[kv_index]
+            kv = kv_choices[kv_index % len(kv_choices)]
             session.cache = cache
             cancel = threading.Event()
             options = {**kv, **DRAFT_CHOICES[draft]}
@@ -163,7 +191,7 @@ def run_sequence(model, ops, max_window: int) -> None:
                     )
                 )
             assert events[-1].type == "done" and events[-1].usage["generated"] == len(got)
-            want, margins = reference(model, ids, max_tokens, kv)
+            want, margins = reference(model, ids, max_tokens, kv, chunk)
             if 0 < cancel_after < max_tokens:  # cut short after the token it came at
                 assert len(got) == cancel_after, f"call {n}: cancel after {cancel_after}"
                 assert session.last_stats.finish_reason == "cancelled"
@@ -204,6 +232,12 @@ def test_dense_sessions_match_cold_runs(dense, small_growth, ops):
 @given(ops=prompts(vocab=256, max_len=30))
 def test_hybrid_sessions_match_cold_runs(hybrid, small_growth, ops):
     run_sequence(hybrid, ops, max_window=200)
+
+
+@PROPERTY
+@given(ops=prompts(vocab=256, max_len=30))
+def test_flash_next_sessions_match_cold_runs(flash, small_growth, ops):
+    run_sequence(flash, ops, max_window=120, kv_choices=FLASH_KV_CHOICES, chunk=64)
 
 
 # Sparse decode (Quest over 4 of the pages) with the pool capped at 6 pages per layer: pages
