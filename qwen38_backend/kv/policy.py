@@ -100,17 +100,12 @@ def choose_kv(**options) -> KVChoice:
     if spill is not None and Path(spill).expanduser().exists():
         if not Path(spill).expanduser().is_dir():  # found here, not when a page first spills
             raise InvalidOptionError(f"kv_spill_dir={str(spill)!r}: is a file, not a directory")
-    if paged == "off" and (pool_tokens is not None or spill is not None):
-        raise InvalidOptionError(
-            "kv_pool_tokens and kv_spill_dir need the paged KV store (kv_paged='on' or 'auto'); "
-            "kv_paged='off' keeps one contiguous buffer per layer"
-        )
-    paged_only = sorted(set(options) & set(KV_DEFAULTS))
+    paged_only = sorted(set(options) - {"kv_paged"})  # every other kv_ option is the pages'
     if paged == "off" and paged_only:  # they would do nothing: say so before any work
-        verb = "needs" if len(paged_only) == 1 else "need"
         raise InvalidOptionError(
-            f"{', '.join(paged_only)} {verb} the paged KV store (kv_paged='on' or 'auto', or "
-            "leave kv_paged unset); kv_paged='off' attends every token of one contiguous buffer"
+            f"KV options {', '.join(paged_only)} need the paged KV store (kv_paged='on' or "
+            "'auto', or leave kv_paged unset); kv_paged='off' keeps one contiguous buffer per "
+            "layer and attends every token"
         )
     return KVChoice(
         paged=paged != "off",

@@ -275,7 +275,7 @@ def _kernel_agrees(hq: int, hkv: int, d: int, q_dtype: mx.Dtype, meta_dtype: mx.
     except Exception as e:  # noqa: BLE001 - any failure means: use the op path
         why = f"unavailable ({e})"
     if why is not None:
-        warnings.warn(f"Quest page-key kernel {why}; using the op path", stacklevel=3)
+        warnings.warn(f"Quest page-key kernel {why}; using the op path", stacklevel=2)
     return why is None
 
 
