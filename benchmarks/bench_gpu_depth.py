@@ -130,6 +130,12 @@ def main() -> None:
         help="a settled prefill: every layer and walk block waited for and released before "
         "the next (qwen38_backend/settle.py)",
     )
+    ap.add_argument(
+        "--settle-every",
+        type=int,
+        default=None,
+        help="state.PREFILL_SETTLE_EVERY: settle the prefill every N layers (0: never)",
+    )
     block_score_option(ap)
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
@@ -139,10 +145,12 @@ def main() -> None:
     import mlx.core as mx
 
     from qwen38_backend import state as state_module
-    from qwen38_backend.kv import collect_kv_stats, one_token
+    from qwen38_backend.kv import blocked, collect_kv_stats, one_token
 
     if args.layers_ahead is not None:
         state_module.PREFILL_LAYERS_AHEAD = args.layers_ahead
+    if args.settle_every is not None:
+        state_module.PREFILL_SETTLE_EVERY = args.settle_every
     if args.churn is not None:
         from profile_spill_gpu import WanderingSelection
 
@@ -167,7 +175,8 @@ def main() -> None:
         "quest_kernels": not args.quest_ops,
         "churn": args.churn,
         "settle_layers": args.settle_layers,
-        "block_score_mib": args.block_score_mib,
+        "settle_every": state_module.PREFILL_SETTLE_EVERY,
+        "block_score_mib": blocked.BLOCK_SCORE_BYTES >> 20,
         "settings": settings(),
         "lengths": {},
     }

@@ -8,13 +8,14 @@ queueing work meanwhile has the new buffers allocated on top of the old ones: on
 others, varying run to run. mx.synchronize waits for that release too. On the CPU it is a
 cheap wait.
 
-Model.prefill settles every chunk. A settled prefill (`settled()`, Model.prefill(settle=True))
-also settles every layer before handing over the next (state.SequenceState.layer_built) and
-every block of the attention walk before the next (kv/blocked.py): the device then idles
-while each is handed over, so it runs only where memory is tight (admission: a plan that
-fits only without RELEASE_LAG). H200, 131K, 64 layers of 27B dims: peak 1.029x weights + KV
-at 1,830 tok/s, against 1.06-1.10x at 1,971-2,455 tok/s unsettled
-(benchmarks/results/h200/depth131k_settle_*.json).
+Model.prefill settles every chunk and every state.PREFILL_SETTLE_EVERY-th layer (late
+releases otherwise pile up over a chunk's layers: 262K's peak reached 1.101x). A settled
+prefill (`settled()`, Model.prefill(settle=True)) also settles every layer before handing over
+the next (state.SequenceState.layer_built) and every block of the attention walk before the
+next (kv/blocked.py): the device then idles while each is handed over, so it runs only where
+memory is tight (admission: a plan that fits only without RELEASE_LAG). H200, 131K, 64 layers
+of 27B dims: peak 1.029x weights + KV at 1,830 tok/s, against 1.06-1.10x at 1,971-2,455 tok/s
+unsettled (benchmarks/results/h200/depth131k_settle_*.json).
 """
 
 from __future__ import annotations

@@ -259,13 +259,15 @@ def test_blocked_prefill_equals_one_shot_qwen3_5(tmp_path, monkeypatch):
 def test_walk_block_keeps_one_blocks_scores_within_budget():
     from qwen38_backend.kv.blocked import BLOCK_SCORE_BYTES, BLOCK_TOKENS, walk_block
 
-    # 27B's 24 query heads keep whole blocks at Metal's 512-token chunk and walk 682-key
-    # blocks at CUDA's 2048 (128 MiB of scores; 672 keys on the default 32-token pages);
-    # 64 heads at a 4096-token chunk walk the shortest, 256-key blocks
+    # 27B's 24 query heads keep whole 2048-key blocks at Metal's 512-token chunk and at
+    # CUDA's 2048 (384 MiB of scores); a 4096-token chunk walks 1024-key blocks and 64 heads
+    # at 4096 walk 384 keys (a multiple of 32-token pages too)
     assert walk_block(24, 512) == BLOCK_TOKENS
-    assert walk_block(24, 2048) == BLOCK_SCORE_BYTES // (24 * 2048 * 4) == 682
-    assert walk_block(24, 2048, unit=32) == 672
-    assert walk_block(64, 4096) == 256
+    assert walk_block(24, 2048) == BLOCK_SCORE_BYTES // (24 * 2048 * 4) == 2048
+    assert walk_block(24, 4096) == 1024
+    assert walk_block(64, 4096) == 384
+    assert walk_block(64, 4096, unit=32) == 384
+    assert walk_block(64, 16384) == 256
     for heads, rows, unit in [(24, 2048, 16), (64, 4096, 32), (8, 100, 1), (40, 3000, 64)]:
         keys = walk_block(heads, rows, unit=unit)
         assert keys % unit == 0 and 0 < keys <= BLOCK_TOKENS

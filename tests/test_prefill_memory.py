@@ -143,3 +143,23 @@ def test_prefill_settles_each_chunk_and_on_request_each_layer():
             assert "async_eval async_eval" not in " ".join(calls), calls
         else:
             assert syncs == 3, calls  # the chunk ends
+
+
+def test_prefill_settles_every_few_layers(monkeypatch):
+    """Within a chunk the prefill settles the layer it waits for every PREFILL_SETTLE_EVERY
+    layers (on CUDA late releases otherwise pile up over a long chunk's layers), with the
+    same logits bit for bit as never settling."""
+    from qwen38_backend import state as state_module
+
+    model = qwen3_5_model(8)
+    ids = [3 + i % 500 for i in range(2 * CHUNK)]
+    runs = {}
+    for every in (0, 2, 8):
+        monkeypatch.setattr(state_module, "PREFILL_SETTLE_EVERY", every)
+        with recorded(mx, "synchronize") as calls:
+            logits = model.prefill(ids, model.new_state(), chunk=CHUNK)
+        runs[every] = (np.array(logits), calls.count("synchronize"))
+    assert runs[0][1] == 2  # the chunk ends
+    assert runs[2][1] == 2 * (8 // 2) + 2  # layers 1, 3, 5, 7 of each chunk, then its end
+    assert runs[8][1] == 2 * 1 + 2
+    assert np.array_equal(runs[0][0], runs[2][0]) and np.array_equal(runs[0][0], runs[8][0])

@@ -34,11 +34,12 @@ from ..settle import settle, settling
 # with a 512-token chunk and 24 query heads are 96 MiB, small next to a long context's KV.
 BLOCK_TOKENS = 2048
 # A longer chunk walks shorter blocks so one block's scores stay within this, but never below
-# MIN_BLOCK_TOKENS. 128 MiB: a 2048-token chunk of 24 heads walks 672-key blocks (32-token
-# pages). On the H200 (27B dims, 64 layers, 131K) that held the prefill peak to 1.049-1.081x
-# weights + KV in three runs where 384 MiB (2048-key blocks) reached 1.061-1.103x in four, for
-# ~9% of prefill speed (2,216 vs 2,445 tok/s, medians; results/h200/depth131k_score*.json).
-BLOCK_SCORE_BYTES = 128 << 20
+# MIN_BLOCK_TOKENS. 384 MiB: a 2048-token chunk of 24 heads walks 2048-key blocks. 128 MiB
+# (672-key blocks) held the H200's unsettled peak lower at 131K but not at 262K (1.101x weights
+# + KV) and cost 9-27% of prefill speed; with the prefill settled every 8 layers
+# (state.PREFILL_SETTLE_EVERY) 384 MiB blocks peak at 1.061x / 1.067x at 131K / 262K
+# (results/h200/depth_settle8_score384*.json, depth262k_score128.json).
+BLOCK_SCORE_BYTES = 384 << 20
 MIN_BLOCK_TOKENS = 256
 # One-shot attention also runs when its scores [Hq, T, past + T] fp32 stay this small: the
 # fused kernel is faster than the walk at short contexts, and the bound is still a constant.
