@@ -95,6 +95,8 @@ def test_token_ids_cover_the_mask_exactly():
     for r in range(9):
         chosen = sorted(np.array(ids[r])[np.array(valid[r])].tolist())
         assert chosen == np.nonzero(mask[r])[0].tolist(), r
+        # padding reads the query's own row: no page beyond the ones it attends and its own
+        assert set(np.array(ids[r])[~np.array(valid[r])].tolist()) <= {int(pos[r])}, r
 
 
 def test_decode_attends_a_bounded_number_of_rows(model, monkeypatch):
@@ -137,6 +139,39 @@ def test_paged_qsa_equals_contiguous(model, tmp_path, kv):
     a = list(model.generate_tokens(ids[:40], max_tokens=12, stop_token_ids=[]))
     b = list(model.generate_tokens(ids[:40], max_tokens=12, stop_token_ids=[], **kv))
     assert a == b
+
+
+def test_a_pool_at_admissions_minimum_prefills_and_decodes(model, tmp_path):
+    """A bounded pool of exactly the pages admission says a step needs (its selection's
+    blocks, the query's own page, the open page) admits a prompt and answers it as all
+    resident, prefill chunks past STEP_MAX_ROWS included: each query of a chunk gathers only
+    its own pages (before, its padding read page 0, one page more than the pool held, and
+    17- to 69-token prompts failed mid-prefill with "KV page pool full")."""
+    from qwen38_backend.admission import memory_plan
+    from qwen38_backend.rows import STEP_MAX_ROWS
+
+    P = 4
+    att = next(b.self_attn for b in model.net.model.layers if not b.is_linear)
+    plan = memory_plan(model, 200, kv_paged="on", kv_page_tokens=P, kv_pool_tokens=64)
+    assert plan.selection_pages == att.n_blocks + 2
+    kv = {
+        "kv_paged": "on",
+        "kv_page_tokens": P,
+        "kv_pool_tokens": plan.selection_pages * P,
+        "kv_spill_dir": str(tmp_path / "spill"),
+    }
+    assert model.prefill_chunk > STEP_MAX_ROWS
+    for n in (17, 21, 30, 45):
+        ids = _ids(n, seed=n)
+        want = list(model.generate_tokens(ids, max_tokens=6, stop_token_ids=[]))
+        session = model.session(cache=False)  # admission on
+        events = list(session.generate(ids, max_tokens=6, stop_token_ids=[], **kv))
+        assert events[-1].type == "done", (n, events[-1])
+        got = session.state.tokens[n:]  # what was fed back: all but the last token
+        assert len(got) >= len(want) - 1 and got == want[: len(got)], (n, got, want)
+        stores = [st.kv for st in session.state.layers if isinstance(st, qsa.QSAState)]
+        assert all(s.table.n_spilled for s in stores), n  # the pool really was exceeded
+        session.close()
 
 
 def test_page_size_must_hold_whole_blocks(model):

@@ -40,13 +40,13 @@ KV_CHOICES = [
     {"kv_paged": "on", "kv_page_tokens": 4, "kv_topk": 4096, "kv_pool_tokens": 16},
 ]
 # Flash-Next selects with its own QSA indexer (Quest's options are refused): its pages hold
-# whole pooled blocks (a multiple of 4 tokens), and an 8-page pool spills (a decode step
-# pins its 8 selected tokens, the causal tail and the open page)
+# whole pooled blocks (a multiple of 4 tokens), and a pool of 4 pages, admission's least,
+# spills (a query pins its 2 selected blocks' pages and its own; the open page stays)
 FLASH_KV_CHOICES = [
     {},
     {"kv_paged": "on", "kv_page_tokens": 4},
     {"kv_paged": "auto", "kv_page_tokens": 8},
-    {"kv_paged": "on", "kv_page_tokens": 4, "kv_pool_tokens": 32},
+    {"kv_paged": "on", "kv_page_tokens": 4, "kv_pool_tokens": 16},
 ]
 # Drafting must not change a stream either: auto is the MTP head where the model has one
 # (tiny qwen3_5: random weights, so mostly rejected rounds and rollbacks), n-gram drafts for all.

@@ -285,7 +285,7 @@ def test_selection_larger_than_the_pool_is_refused(tmp_path):
                     spill=SpillFile(tmp_path))  # fmt: skip
     fill(store, k, v)
     q = mx.ones((1, 4, 1, 8))
-    with pytest.raises(AdmissionError, match="decode selection"):
+    with pytest.raises(AdmissionError, match="sequence's selection"):
         store.attend(q, mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)), 0.3)
     assert not store.pool._pins
 

@@ -409,7 +409,7 @@ class PagedKV:
         try:
             slots = self.pool.alloc(len(pages), self.pool.k, self.pool.v)
         except PoolFullError as e:
-            raise self._pool_full(e, "decode selection") from None
+            raise self._pool_full(e, "sequence's selection") from None
         P = self.page_tokens
         rows = (mx.array(slots, dtype=mx.int32)[:, None] * P + mx.arange(P)).reshape(-1)
         self.pool.k[:, rows], self.pool.v[:, rows] = self._upload(pages, data)

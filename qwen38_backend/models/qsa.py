@@ -129,7 +129,9 @@ def token_ids(
     """Each query's token ids as a fixed-width [T, n_blocks * ratio + ratio - 1] int32 array
     and its validity mask: the tokens of its chosen blocks (at most n_blocks True per row of
     `blocks` [T, NB]; fewer while a query is dense), then its causal tail 4 * nvis .. p.
-    Invalid slots hold id 0 (a real row, masked out)."""
+    Invalid slots hold the query's own position p (a real row, masked out): a padding id in
+    a page the query does not otherwise read would make a bounded pool hold one more page
+    for it (admission counts its chosen blocks' pages and p's)."""
     T, nb = blocks.shape
     k = min(n_blocks, nb)
     # The chosen blocks sort first (key 0); a row with fewer than k takes unchosen ones too,
@@ -144,7 +146,7 @@ def token_ids(
     tail_ok = tail <= positions[:, None]
     ids = mx.concatenate([ids, tail], axis=1)
     valid = mx.concatenate([valid, tail_ok], axis=1)
-    return mx.where(valid, ids, 0), valid
+    return mx.where(valid, ids, positions[:, None].astype(mx.int32)), valid
 
 
 def decode_tokens(
