@@ -44,7 +44,9 @@ def main() -> None:
 
     import mlx.core as mx
 
+    from qwen38_backend import state as state_module
     from qwen38_backend.engine import state_arrays
+    from qwen38_backend.kv import blocked
     from qwen38_backend.settle import settled
 
     model, config, weights_bytes = random_model(args.dims, args.layers, args.dtype)
@@ -86,7 +88,8 @@ def main() -> None:
         "weights_bytes": weights_bytes,
         "state_bytes": state.nbytes(),
         "settle_layers": args.settle_layers,
-        "block_score_mib": args.block_score_mib,
+        "block_score_mib": blocked.BLOCK_SCORE_BYTES >> 20,
+        "settle_every": state_module.PREFILL_SETTLE_EVERY,
         "prefill_tok_s": len(ids) / sum(r["seconds"] for r in rows),
         "over_start_gb": [round(r["over_start"] / 1e9, 2) for r in rows],
         "worst_chunk": worst,
