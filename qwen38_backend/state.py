@@ -244,8 +244,7 @@ class SequenceState:
             self._queued.append(out)
             if len(self._queued) > PREFILL_LAYERS_AHEAD:
                 oldest = self._queued.popleft()
-                every = PREFILL_SETTLE_EVERY
-                if every and (index + 1) % every == 0:
+                if PREFILL_SETTLE_EVERY and (index + 1) % PREFILL_SETTLE_EVERY == 0:
                     settle(oldest)
                 else:
                     mx.eval(oldest)
