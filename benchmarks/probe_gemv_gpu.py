@@ -1,0 +1,145 @@
+"""What a decode step's one-row weight products reach on CUDA, against a plain read of the
+same bytes (Qwen3.8-27B dims, random bf16).
+
+    python benchmarks/probe_gemv_gpu.py --layers 64 --out gemv.json
+
+Every 2-D weight a decode step multiplies (the fused projections of `--layers` layers and
+the LM head), one row each, queued in layer order and evaluated at once, as a step runs
+them (median of `--repeats`): MLX's product (`x @ w.T`), kernels/rows_matmul.py as a plain
+step runs it (a verify's `--rows` rows), in its own order and in MLX's (kernels/
+rows_matmul.py: where its probe passes a one-row call is MLX's product), and a read-only
+kernel that touches every weight byte once. GB/s = weight bytes / time (a k-row product
+reads the weights once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_gpu_27b import random_model  # noqa: E402
+from common import environment, write_json  # noqa: E402
+
+# Each thread sums its 16-byte vectors (grid-stride) so the loads cannot be dropped; one
+# float per block.
+_READ = """
+    const uint4* w4 = reinterpret_cast<const uint4*>(w);
+    const long long n = w_shape[0] * (long long)w_shape[1] * sizeof(T) / 16;
+    unsigned acc = 0u;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const uint4 u = w4[i];
+        acc ^= u.x ^ u.y ^ u.z ^ u.w;
+    }
+    if (acc == 0x12345678u) out[blockIdx.x] = 1.0f;  // practically never: keeps the loads
+"""
+
+
+def timed(fn, repeats: int) -> float:
+    import mlx.core as mx
+
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument(
+        "--rows", type=lambda v: [int(r) for r in v.split(",")], default=[1, 2, 4, 5, 8]
+    )
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from qwen38_backend.kernels import rows_matmul as rk
+
+    model, _, _ = random_model(args.dims, args.layers, "bfloat16")
+    # every product of a step, LM head included (untied); the embedding is a gather
+    mats = [
+        w
+        for name, w in tree_flatten(model.net.parameters())
+        if w.ndim == 2
+        and w.dtype == mx.bfloat16
+        and min(w.shape) >= 64
+        and "embed" not in name
+        and "mtp" not in name
+    ]
+    nbytes = sum(w.nbytes for w in mats)
+    xs = {k: mx.random.normal((1, k)).astype(mx.bfloat16) for k in {w.shape[1] for w in mats}}
+    mx.eval(list(xs.values()))
+    result = {
+        "environment": environment(),
+        "dims": args.dims,
+        "layers": args.layers,
+        "products": len(mats),
+        "weight_bytes": nbytes,
+        "ms": {},
+        "GBps": {},
+    }
+
+    def record(label: str, fn) -> None:
+        t = timed(fn, args.repeats)
+        result["ms"][label] = t * 1e3
+        result["GBps"][label] = nbytes / t / 1e9
+        print(f"{label:>16}: {t * 1e3:7.2f} ms {nbytes / t / 1e9:7.0f} GB/s", file=sys.stderr)
+
+    xs_rows = {(k, r): mx.random.normal((r, k)).astype(mx.bfloat16) for k in xs for r in args.rows}
+    mx.eval(list(xs_rows.values()))
+    record("mlx", lambda: [xs[w.shape[1]] @ w.T for w in mats])
+    available = rk.available(mx.bfloat16)
+    result["mlx_order"] = rk.mlx_order(mx.bfloat16)
+    saved = dict(rk._MLX_ORDER)
+    for order in ("own", "mlx_order"):
+        rk._MLX_ORDER.clear()
+        if order == "mlx_order":
+            if not saved.get(mx.bfloat16):
+                continue
+            rk._MLX_ORDER.update(saved)
+        for r in args.rows:
+            record(
+                f"{order}_{r}rows",
+                lambda r=r: [rk.rows_matmul(xs_rows[w.shape[1], r], w) for w in mats],
+            )
+    rk._MLX_ORDER.clear()
+    rk._MLX_ORDER.update(saved)
+    result["kernel_available"] = available
+    read = mx.fast.cuda_kernel(
+        name="qwen38_probe_read", input_names=["w"], output_names=["out"], source=_READ
+    )
+    blocks = 132 * 8
+
+    def reads():
+        return [
+            read(
+                inputs=[w],
+                template=[("T", w.dtype)],
+                grid=(blocks * 256, 1, 1),
+                threadgroup=(256, 1, 1),
+                output_shapes=[(blocks,)],
+                output_dtypes=[mx.float32],
+            )[0]
+            for w in mats
+        ]
+
+    record("read_only", reads)
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

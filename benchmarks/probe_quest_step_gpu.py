@@ -1,0 +1,205 @@
+"""Where a Quest decode step's time goes at depth (Qwen3.8-27B dims, random bf16, CUDA).
+
+    python benchmarks/probe_quest_step_gpu.py --layers 64 --lengths 4096,32768,131072 \
+        --out quest_step.json
+
+Per length, in one process: prefill into a paged Quest state (kv_topk `--budget`), then
+decode `--decode` greedy tokens `--runs` times (medians) in each of these modes:
+- `quest`: as users run it (each step scores every page and takes the top-k);
+- `fixed`: every attention layer reuses its first selection (no scoring, no top-k): the
+  difference to `quest` is what selecting costs inside a real step;
+- `dense` (lengths up to `--dense-max`): the budget covers the whole context.
+Then, on one attention layer's metadata at that depth, the selection alone: `--chain` calls
+queued and evaluated at once (as a step queues its layers), per call: the page-key kernel,
+the top-k, and the whole selection. Selection ms per token = 16 layers x the whole call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_gpu_27b import prompt, random_model  # noqa: E402
+from bench_gpu_depth import attention_layers, decode  # noqa: E402
+from common import settings  # noqa: E402
+
+
+class FixedSelection:
+    """PagedKV.select replaced by each store's first selection (per selection size)."""
+
+    def __init__(self) -> None:
+        from qwen38_backend.kv.paged import PagedKV
+
+        self.cls, self.original, self.cache = PagedKV, PagedKV.select, {}
+
+    def __enter__(self) -> FixedSelection:
+        import mlx.core as mx
+
+        original, cache = self.original, self.cache
+
+        def select(store, q, n_sel):
+            key = (id(store), n_sel)
+            if key not in cache:
+                cache[key] = original(store, q, n_sel)
+                mx.eval(cache[key])
+            return cache[key]
+
+        self.cls.select = select
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cls.select = self.original
+
+
+def chained(fn, n: int, repeats: int) -> float:
+    """Seconds per call of fn(i) for i < n queued and evaluated at once (median)."""
+    import mlx.core as mx
+
+    mx.eval([fn(i) for i in range(n)])
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval([fn(i) for i in range(n)])
+        mx.synchronize()
+        times.append((time.perf_counter() - t) / n)
+    return statistics.median(times)
+
+
+def selection_parts(store, n: int, repeats: int) -> dict:
+    """ms per call of one attention layer's selection pieces at its depth."""
+    import mlx.core as mx
+
+    from qwen38_backend.kv import quest
+
+    n_pages, n_sel = store.selection_size()
+    hkv, _, d = store.kmax.shape
+    qs = [mx.random.normal((24, d), key=mx.random.key(i)).astype(mx.bfloat16) for i in range(n)]
+    mx.eval(qs)
+    count = mx.array(n_pages, dtype=mx.int32)
+    run = quest.selector(n_sel, store.sink_pages, store.recent_pages, store.shared)
+    out = {
+        "pages": n_pages,
+        "selected": n_sel,
+        "metadata_bytes": 2 * store.kmax[:, :n_pages].nbytes,
+        "kernel": quest.kernel_usable(qs[0], store.kmin, store.kmax),
+        "select_ms": 1e3 * chained(lambda i: run(qs[i], store.kmin, store.kmax, count), n, repeats),
+    }
+    if out["kernel"]:
+        from qwen38_backend.kernels import quest_select
+
+        def keys(i):
+            return quest_select.page_keys(
+                qs[i], store.kmin, store.kmax, count, store.sink_pages, store.recent_pages, True
+            )
+
+        out["page_keys_ms"] = 1e3 * chained(keys, n, repeats)
+        ready = [keys(i) for i in range(n)]
+        mx.eval(ready)
+        top = mx.compile(lambda k: quest.top_pages(k, n_sel))
+        out["top_k_ms"] = 1e3 * chained(lambda i: top(ready[i]), n, repeats)
+    return out
+
+
+def measure(model, state, logits, args, length: int) -> dict:
+    """The decode modes and the selection pieces at this state's depth."""
+    state.save_point()
+    stores = attention_layers(state)
+
+    def quest():
+        return decode(model, state, logits, args.decode)
+
+    def fixed():
+        with FixedSelection():
+            return decode(model, state, logits, args.decode)
+
+    def dense():
+        budgets = [s.budget_pages for s in stores]
+        for s in stores:
+            s.budget_pages = 1 << 30
+        try:
+            return decode(model, state, logits, args.decode)
+        finally:
+            for s, b in zip(stores, budgets, strict=True):
+                s.budget_pages = b
+
+    modes = {"quest": quest, "fixed": fixed}
+    if length <= args.dense_max:
+        modes["dense"] = dense
+    row = {}
+    for name, fn in modes.items():
+        rates = [fn() for _ in range(args.runs)]
+        row[f"{name}_tok_s"] = statistics.median(rates)
+        row[f"{name}_runs"] = rates
+    row["select_cost_ms_per_token"] = 1e3 * (1 / row["quest_tok_s"] - 1 / row["fixed_tok_s"])
+    row["selection"] = selection_parts(stores[0], args.chain, args.runs * 3)
+    row["selection"]["all_layers_ms"] = len(stores) * row["selection"]["select_ms"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--lengths", default="4096,32768,131072")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--dense-max", type=int, default=131072)
+    ap.add_argument("--chain", type=int, default=16, help="selection calls queued at once")
+    ap.add_argument(
+        "--own-order",
+        action="store_true",
+        help="step products in kernels/rows_matmul.py's own order (not MLX's one-row gemv)",
+    )
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    from qwen38_backend.kernels import rows_matmul
+
+    rows_matmul.USE_MLX_ORDER = not args.own_order
+
+    model, config, weights_bytes = random_model(args.dims, args.layers, "bfloat16")
+    vocab = config["text_config"]["vocab_size"]
+    result = {
+        "device": str(mx.default_device()),
+        "dims": args.dims,
+        "layers": args.layers,
+        "budget": args.budget,
+        "weights_bytes": weights_bytes,
+        "runs": args.runs,
+        "decode_tokens": args.decode,
+        "settings": settings(),
+        "own_order": args.own_order,
+        "lengths": {},
+    }
+    warm = model.new_state(kv_paged="on", kv_topk=args.budget)
+    mx.eval(model.prefill(prompt(2048, vocab), warm))
+    del warm
+    result["mlx_order"] = rows_matmul.mlx_order(mx.bfloat16)
+    for length in (int(x) for x in args.lengths.split(",")):
+        mx.clear_cache()
+        state = model.new_state(kv_paged="on", kv_topk=args.budget)
+        t = time.perf_counter()
+        logits = model.prefill(prompt(length, vocab), state)
+        mx.eval(logits)
+        row = {"prefill_s": time.perf_counter() - t, "kv_bytes": state.nbytes()}
+        row.update(measure(model, state, logits, args, length))
+        result["lengths"][str(length)] = row
+        print(json.dumps({str(length): row}), flush=True)
+        del state, logits
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
