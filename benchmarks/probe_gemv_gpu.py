@@ -6,10 +6,10 @@ same bytes (Qwen3.8-27B dims, random bf16).
 Every 2-D weight a decode step multiplies (the fused projections of `--layers` layers and
 the LM head), one row each, queued in layer order and evaluated at once, as a step runs
 them (median of `--repeats`): MLX's product (`x @ w.T`), kernels/rows_matmul.py as a plain
-step runs it (a verify's `--rows` rows), in its own order and in MLX's (kernels/
-rows_matmul.py: where its probe passes a one-row call is MLX's product), and a read-only
-kernel that touches every weight byte once. GB/s = weight bytes / time (a k-row product
-reads the weights once).
+step runs them and a verify's `--rows` rows, and a read-only kernel that touches every
+weight byte once. GB/s = weight bytes / time (a k-row product reads the weights once).
+Session 20 also timed the kernel summing in MLX's one-row order (commit 4361012,
+results/h200/gemv_orders_64l.json).
 """
 
 from __future__ import annotations
@@ -102,23 +102,11 @@ def main() -> None:
     xs_rows = {(k, r): mx.random.normal((r, k)).astype(mx.bfloat16) for k in xs for r in args.rows}
     mx.eval(list(xs_rows.values()))
     record("mlx", lambda: [xs[w.shape[1]] @ w.T for w in mats])
-    available = rk.available(mx.bfloat16)
-    result["mlx_order"] = rk.mlx_order(mx.bfloat16)
-    saved = dict(rk._MLX_ORDER)
-    for order in ("own", "mlx_order"):
-        rk._MLX_ORDER.clear()
-        if order == "mlx_order":
-            if not saved.get(mx.bfloat16):
-                continue
-            rk._MLX_ORDER.update(saved)
-        for r in args.rows:
-            record(
-                f"{order}_{r}rows",
-                lambda r=r: [rk.rows_matmul(xs_rows[w.shape[1], r], w) for w in mats],
-            )
-    rk._MLX_ORDER.clear()
-    rk._MLX_ORDER.update(saved)
-    result["kernel_available"] = available
+    result["kernel_available"] = rk.available(mx.bfloat16)
+    for r in args.rows:
+        record(
+            f"kernel_{r}rows", lambda r=r: [rk.rows_matmul(xs_rows[w.shape[1], r], w) for w in mats]
+        )
     read = mx.fast.cuda_kernel(
         name="qwen38_probe_read", input_names=["w"], output_names=["out"], source=_READ
     )

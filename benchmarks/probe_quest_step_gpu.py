@@ -1,10 +1,11 @@
-"""Where a Quest decode step's time goes at depth (Qwen3.8-27B dims, random bf16, CUDA).
+"""Decode at depth and where a Quest step's time goes (Qwen3.8-27B dims, random bf16, CUDA).
 
-    python benchmarks/probe_quest_step_gpu.py --layers 64 --lengths 4096,32768,131072 \
-        --out quest_step.json
+    python benchmarks/probe_quest_step_gpu.py --layers 64 \
+        --lengths 4096,32768,131072,262144 --dense-max 262144 --out quest_step.json
 
-Per length, in one process: prefill into a paged Quest state (kv_topk `--budget`), then
-decode `--decode` greedy tokens `--runs` times (medians) in each of these modes:
+Per length, in one process: prefill into a paged Quest state (kv_topk `--budget`) at the
+engine's default chunk (tok/s, peak memory), then decode `--decode` greedy tokens `--runs`
+times (medians) in each of these modes:
 - `quest`: as users run it (each step scores every page and takes the top-k);
 - `fixed`: every attention layer reuses its first selection (no scoring, no top-k): the
   difference to `quest` is what selecting costs inside a real step;
@@ -12,6 +13,8 @@ decode `--decode` greedy tokens `--runs` times (medians) in each of these modes:
 Then, on one attention layer's metadata at that depth, the selection alone: `--chain` calls
 queued and evaluated at once (as a step queues its layers), per call: the page-key kernel,
 the top-k, and the whole selection. Selection ms per token = 16 layers x the whole call.
+Bytes a token reads per mode (dense: the whole KV; Quest: the selected rows and every page's
+metadata) and tok/s as a fraction of the `--bound-gbps` bound.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_gpu_27b import prompt, random_model  # noqa: E402
+from bench_gpu_27b import bytes_per_token, prompt, random_model  # noqa: E402
 from bench_gpu_depth import attention_layers, decode  # noqa: E402
 from common import settings  # noqa: E402
 
@@ -143,6 +146,26 @@ def measure(model, state, logits, args, length: int) -> dict:
     return row
 
 
+def read_bytes(config: dict, weights_bytes: int, length: int, state, bound: float, row: dict):
+    """Bytes a token reads in each mode and its tok/s as a fraction of the bandwidth bound:
+    dense the whole KV; Quest the selected rows (`--budget`) and every page's metadata."""
+    stores = attention_layers(state)
+    selected = min(length, stores[0].budget_pages * stores[0].page_tokens)
+    meta = sum(2 * s.kmax[:, : s.selection_size()[0]].nbytes for s in stores)
+    sparse = bytes_per_token(config, weights_bytes, selected, 2)
+    out = {
+        "bytes_per_token": {
+            "dense": bytes_per_token(config, weights_bytes, length, 2),
+            "fixed": sparse,
+            "quest": sparse + meta,
+        }
+    }
+    for mode, nbytes in out["bytes_per_token"].items():
+        if f"{mode}_tok_s" in row:
+            out[f"{mode}_fraction_of_bound"] = row[f"{mode}_tok_s"] * nbytes / bound
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
@@ -153,18 +176,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--dense-max", type=int, default=131072)
     ap.add_argument("--chain", type=int, default=16, help="selection calls queued at once")
-    ap.add_argument(
-        "--own-order",
-        action="store_true",
-        help="step products in kernels/rows_matmul.py's own order (not MLX's one-row gemv)",
-    )
+    ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import mlx.core as mx
-    from qwen38_backend.kernels import rows_matmul
-
-    rows_matmul.USE_MLX_ORDER = not args.own_order
 
     model, config, weights_bytes = random_model(args.dims, args.layers, "bfloat16")
     vocab = config["text_config"]["vocab_size"]
@@ -177,21 +193,28 @@ def main() -> None:
         "runs": args.runs,
         "decode_tokens": args.decode,
         "settings": settings(),
-        "own_order": args.own_order,
         "lengths": {},
     }
     warm = model.new_state(kv_paged="on", kv_topk=args.budget)
     mx.eval(model.prefill(prompt(2048, vocab), warm))
     del warm
-    result["mlx_order"] = rows_matmul.mlx_order(mx.bfloat16)
     for length in (int(x) for x in args.lengths.split(",")):
         mx.clear_cache()
+        mx.reset_peak_memory()
         state = model.new_state(kv_paged="on", kv_topk=args.budget)
+        mx.synchronize()
         t = time.perf_counter()
         logits = model.prefill(prompt(length, vocab), state)
         mx.eval(logits)
-        row = {"prefill_s": time.perf_counter() - t, "kv_bytes": state.nbytes()}
+        mx.synchronize()
+        seconds = time.perf_counter() - t
+        row = {
+            "prefill_tok_s": length / seconds,
+            "prefill_peak_bytes": mx.get_peak_memory(),
+            "kv_bytes": state.nbytes(),
+        }
         row.update(measure(model, state, logits, args, length))
+        row.update(read_bytes(config, weights_bytes, length, state, args.bound_gbps * 1e9, row))
         result["lengths"][str(length)] = row
         print(json.dumps({str(length): row}), flush=True)
         del state, logits

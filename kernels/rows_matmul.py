@@ -17,14 +17,6 @@ many loads it batches; KS depends on w's shape alone).
 `available()` probes the kernel once per dtype: rows equal to one-row launches bit for bit
 and close to an fp32 reference; any error or disagreement disables it with a warning (the
 padded MLX product then runs).
-
-MLX's order: where the input width is a multiple of GEMV_WIDTH, the kernel can sum each row
-in the order of MLX's own one-row product (its CUDA gemv: each lane takes 4 elements of every
-128, in ascending order, one fma each, then cooperative groups' warp reduce). Where the probe
-finds its rows equal to MLX's one-row products bit for bit (`mlx_order`), a one-row call is
-MLX's product itself and only a step of several rows launches the kernel: MLX's gemv read a
-27B step's weights at 4.03 TB/s on the H200 where this kernel's own order reached 3.34
-(benchmarks/probe_gemv_gpu.py, results/h200/gemv_64l.json).
 """
 
 from __future__ import annotations
@@ -178,70 +170,6 @@ _PRODUCT = (
 _SOURCE = _PRODUCT + WALK + REDUCE
 _STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahead) for U
 
-# MLX's one-row order (module docstring): lane l sums w[n][c + e] * x[r][c + e] for c = 4 l +
-# 128 i, i then e ascending, one fma each (as MLX's `sum += m * v` compiles), then
-# cg::reduce over the warp; a warp computes NW outputs for all R rows, its loads of U steps
-# issued before their products (the order of the sums is fixed).
-GEMV_WIDTH = 128  # MLX takes 4 elements a lane (these loads) where K is a multiple of 128
-_GEMV_HEADER = """
-#include <cooperative_groups/reduce.h>
-namespace qwen38_rows {
-template <typename T> struct Four { using type = uint2; };  // 4 elements of 16 bits
-template <> struct Four<float> { using type = uint4; };
-}  // namespace qwen38_rows
-"""
-_GEMV_SOURCE = """
-    constexpr int WARPS = __THREADS__ / 32, E = 4;
-    using Load = typename qwen38_rows::Four<T>::type;
-    const int N = w_shape[0], KL = x_shape[1] / E;  // loads per row
-    const int steps = KL / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long n0 = ((long long)blockIdx.x * WARPS + warp) * NW;
-    const Load* wl = reinterpret_cast<const Load*>(w);
-    const Load* xl = reinterpret_cast<const Load*>(x);
-    float acc[R][NW];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < NW; ++j) acc[r][j] = 0.0f;
-    for (int i0 = 0; i0 < steps; i0 += U) {
-        Load wr[U][NW];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int j = 0; j < NW; ++j)
-                wr[u][j] = i0 + u < steps && n0 + j < N
-                    ? wl[(n0 + j) * KL + (i0 + u) * 32 + lane] : Load{};
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (i0 + u < steps) {
-                const int c = (i0 + u) * 32 + lane;
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const Load xv = xl[(long long)r * KL + c];
-                    const T* xt = reinterpret_cast<const T*>(&xv);
-#pragma unroll
-                    for (int j = 0; j < NW; ++j) {
-                        const T* wt = reinterpret_cast<const T*>(&wr[u][j]);
-#pragma unroll
-                        for (int e = 0; e < E; ++e)
-                            acc[r][j] = fmaf(static_cast<float>(wt[e]),
-                                             static_cast<float>(xt[e]), acc[r][j]);
-                    }
-                }
-            }
-        }
-    }
-    const auto tile = cg::tiled_partition<32>(cg::this_thread_block());
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < NW; ++j) {
-            const float v = cg::reduce(tile, acc[r][j], cg::plus<float>());
-            if (lane == 0 && n0 + j < N) y[(long long)r * N + n0 + j] = static_cast<T>(v);
-        }
-"""
-
 
 @functools.cache
 def _kernel(staged_bytes: int = 0):
@@ -255,17 +183,6 @@ def _kernel(staged_bytes: int = 0):
         source=source.replace("__THREADS__", str(THREADS)),
         header=VECTORS,
         shared_memory=staged_bytes,
-    )
-
-
-@functools.cache
-def _gemv_kernel():
-    return mx.fast.cuda_kernel(
-        name="qwen38_rows_matmul_mlx_order",
-        input_names=["x", "w"],
-        output_names=["y"],
-        source=_GEMV_SOURCE.replace("__THREADS__", str(THREADS)),
-        header=_GEMV_HEADER,
     )
 
 
@@ -302,36 +219,11 @@ def _shape(rows: int) -> tuple[int, int]:
     return nw, max(LOADS // nw, 1)
 
 
-# In MLX's order: outputs per warp for launches of 2+ rows, and steps a lane has loads in
-# flight for (per output).
-GEMV_OUTPUTS = 2
-GEMV_LOADS = 8
-# Dtypes whose products follow MLX's order where K allows (set by `available`'s probe).
-_MLX_ORDER: dict[mx.Dtype, bool] = {}
-
-
 def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in x's dtype (fp32 accumulation), R >= 1, every row
-    computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0.
-    In MLX's order (`mlx_order`) a one-row call is MLX's own product."""
+    computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0."""
     n = w.shape[0]
-    if _MLX_ORDER.get(x.dtype) and x.shape[1] % GEMV_WIDTH == 0:
-        if x.shape[0] == 1:
-            return x @ w.T
-        return launch_in_parts(_gemv_launch, x, [w], n, [("T", x.dtype)])
     return launch_in_parts(lambda rows: _launch(rows, n), x, [w], n, [("T", x.dtype)])
-
-
-def _gemv_launch(rows: int) -> tuple:
-    """(kernel, template constants) of a launch of `rows` rows in MLX's order."""
-    nw = 1 if rows == 1 else GEMV_OUTPUTS
-    return _gemv_kernel(), [("R", rows), ("NW", nw), ("U", max(GEMV_LOADS // nw, 1))]
-
-
-def mlx_order(dtype: mx.Dtype) -> bool:
-    """Whether products of `dtype` (K a multiple of GEMV_WIDTH) follow MLX's one-row order
-    here: `available` probed it."""
-    return bool(_MLX_ORDER.get(dtype))
 
 
 def _launch(rows: int, n: int) -> tuple:
@@ -424,31 +316,4 @@ def available(dtype: mx.Dtype) -> bool:
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
     w = (mx.random.normal((n, k), key=kw) / k**0.5).astype(dtype)
     want = x.astype(mx.float32) @ w.astype(mx.float32).T
-    if not probe_rows(lambda part: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel"):
-        return False
-    _MLX_ORDER[dtype] = USE_MLX_ORDER and _mlx_order_agrees(dtype)
-    return True
-
-
-# False: products keep the kernel's own order everywhere (benchmarks compare the two).
-USE_MLX_ORDER = True
-
-
-def _mlx_order_agrees(dtype: mx.Dtype) -> bool:
-    """Whether the kernel in MLX's order gives every row of 1..8 and 11 rows (two launches)
-    the bits of MLX's one-row product, at widths of 1, 40 and 136 x GEMV_WIDTH (a partial
-    last block of outputs); False (and the kernel's own order) on any difference or error."""
-    try:
-        for n, k in ((203, GEMV_WIDTH), (77, 40 * GEMV_WIDTH), (1003, 136 * GEMV_WIDTH)):
-            kx, kw = mx.random.split(mx.random.key(n))
-            x = mx.random.normal((11, k), key=kx).astype(dtype)
-            w = (mx.random.normal((n, k), key=kw) / k**0.5).astype(dtype)
-            alone = mx.concatenate([x[i : i + 1] @ w.T for i in range(11)])
-            for rows in (*range(2, 9), 11):
-                got = launch_in_parts(_gemv_launch, x[:rows], [w], n, [("T", dtype)])
-                if not mx.array_equal(got, alone[:rows]).item():
-                    return False
-    except Exception as e:  # noqa: BLE001 - any failure: the kernel's own order
-        warnings.warn(f"rows matmul in MLX's order unavailable ({e})", stacklevel=3)
-        return False
-    return True
+    return probe_rows(lambda part: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel")
