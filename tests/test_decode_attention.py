@@ -87,18 +87,12 @@ def test_split_count():
 
 
 @pytest.mark.parametrize(
-    "variable",
-    [
-        "QWEN38_QUEST_KERNEL",
-        "QWEN38_ROWS_KERNEL",
-        "QWEN38_DECODE_ATTN_KERNEL",
-        "QWEN38_NORM_KERNEL",
-    ],
+    "variable", ["QWEN38_QUEST_KERNEL", "QWEN38_ROWS_KERNEL", "QWEN38_DECODE_ATTN_KERNEL"]
 )
 def test_an_unknown_kernel_switch_is_refused_by_name(monkeypatch, variable):
     """auto | off | force, read by one helper: a typo is an error naming the variable and
     the choices, not a silent auto."""
-    from qwen38_backend.kernels import decode_attention, rows_matmul, zc_norm
+    from qwen38_backend.kernels import decode_attention, rows_matmul
     from qwen38_backend.kernels.switch import kernel_switch
 
     from qwen38_backend.kv import quest
@@ -114,7 +108,5 @@ def test_an_unknown_kernel_switch_is_refused_by_name(monkeypatch, variable):
             quest.kernel_usable(q, meta, meta)
         elif variable == "QWEN38_ROWS_KERNEL":
             rows_matmul.available.__wrapped__(mx.float32)
-        elif variable == "QWEN38_NORM_KERNEL":
-            zc_norm.available.__wrapped__(mx.bfloat16, 64)
         else:
             decode_attention.enabled()

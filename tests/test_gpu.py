@@ -370,26 +370,6 @@ def test_rows_matmul_rows_equal_one_row_calls(dtype):
         assert (err <= 0).all().item(), (n, k)
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("width", [256, 5120])
-def test_zero_centred_norm_kernel_matches_the_op_path(dtype, width):
-    """One launch == MLX's fp32 norm cast back, to one unit in the last place, and each row
-    is that row normalised alone, bit for bit (a verify's rows are its steps')."""
-    from qwen38_backend.kernels import zc_norm
-
-    assert zc_norm.available(dtype, width)
-    kx, kw = mx.random.split(mx.random.key(width))
-    x = (3.0 * mx.random.normal((37, width), key=kx)).astype(dtype)
-    scale = 1.0 + 0.2 * mx.random.normal((width,), key=kw)
-    got = zc_norm.zc_rms_norm(x, scale, 1e-6)
-    want = zc_norm.op_path(x, scale, 1e-6).astype(mx.float32)
-    ulp = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
-    assert (mx.abs(got.astype(mx.float32) - want) <= ulp * mx.abs(want)).all().item()
-    alone = mx.concatenate([zc_norm.zc_rms_norm(x[i : i + 1], scale, 1e-6) for i in range(37)])
-    assert mx.array_equal(got, alone).item()
-    assert got.dtype == dtype and got.shape == x.shape
-
-
 def test_steps_take_the_rows_kernel(gpu_models):
     """A bf16 forward on CUDA chooses the row-invariant kernel (its probe passed), so the
     verify tests below run it rather than padded products."""
@@ -398,17 +378,6 @@ def test_steps_take_the_rows_kernel(gpu_models):
     model = gpu_models["tiny"]
     model.forward([3], model.new_state())
     assert rows.kernel_dtype() == mx.bfloat16
-
-
-def test_steps_take_the_norm_kernel(gpu_models):
-    """A bf16 27B-dims forward on CUDA runs its zero-centred norms in one launch (hidden and
-    head widths), so the verify and drafting tests below run it."""
-    from qwen38_backend.models import layers
-
-    model = gpu_models["27b"]
-    model.forward([3], model.new_state())
-    dtype, widths = layers._NORM_KERNEL.get()
-    assert dtype == mx.bfloat16 and {5120, 256} <= widths
 
 
 # ----- the Gated DeltaNet prefill kernels (kernels/gdn_prefill.py) ----------------------------

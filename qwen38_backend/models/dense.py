@@ -11,7 +11,7 @@ from ..config import DenseConfig
 from ..kv.contiguous import ContiguousKV
 from ..state import SequenceState
 from .base import CausalLM
-from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, prepare_norms, rope_from_config
+from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, rope_from_config
 
 
 class DenseBlock(PreNormBlock):
@@ -61,7 +61,6 @@ class DenseModel(CausalLM):
         offset = state.offset
         h = self.model.embed_tokens(ids)
         rows.prepare(h.dtype, self, ids.shape[0])
-        prepare_norms(self, h.dtype)
         h = state.run_layers(self.model.layers, h, offset, ids.shape[0])
         return self.model.norm(h)
 

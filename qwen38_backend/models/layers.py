@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -44,51 +42,11 @@ class RMSNorm(nn.Module):
             return mx.fast.rms_norm(x, self.weight, self.eps)
         # 1 + w once per weight, not once per call (two kernels saved on every norm)
         scale = self._scale.get(self.weight, lambda w: 1.0 + w.astype(mx.float32))
-        dtype, widths = _NORM_KERNEL.get()
-        if x.shape[-1] in widths and x.dtype == dtype:  # widths is empty without a dtype
-            return _norm_kernels().zc_rms_norm(x, scale, self.eps)  # one launch, not three
         # a half-precision x with the fp32 scale is normalised in fp32 (output fp32), then
-        # cast back: MLX casts x up first, so three kernels
+        # cast back: three kernels on a GPU (MLX casts x up itself); one launch doing all
+        # three decoded slower on the H200 (results/h200/norm_kernel_*_4k.json)
         y = mx.fast.rms_norm(x, scale, self.eps)
         return y if y.dtype == x.dtype else y.astype(x.dtype)
-
-
-# (dtype, widths) whose zero-centred norms run kernels/zc_norm.py in this forward
-# (prepare_norms), else the op path.
-_NORM_KERNEL: ContextVar[tuple[mx.Dtype | None, frozenset]] = ContextVar(
-    "qwen38_norm_kernel", default=(None, frozenset())
-)
-
-
-@functools.cache
-def _norm_kernels():
-    """kernels/zc_norm.py, or None in a source tree that was not installed."""
-    try:
-        from ..kernels import zc_norm
-    except ImportError:
-        return None
-    return zc_norm
-
-
-def prepare_norms(net: nn.Module, dtype: mx.Dtype) -> None:
-    """Decide (outside any compiled trace: the kernel's probe runs ops) which of `net`'s
-    zero-centred norms run in one launch (kernels/zc_norm.py) for inputs of `dtype`: the
-    widths whose probe passed here; none on the CPU."""
-    kernels = _norm_kernels()
-    widths = net.__dict__.get("_zc_norm_widths")
-    if widths is None:
-        widths = frozenset(
-            m.weight.shape[-1]
-            for _, m in net.named_modules()
-            if isinstance(m, RMSNorm) and m.zero_centered
-        )
-        net.__dict__["_zc_norm_widths"] = widths
-    usable = (
-        frozenset(w for w in widths if kernels.available(dtype, w))
-        if kernels is not None and kernels.supported(dtype)
-        else frozenset()
-    )
-    _NORM_KERNEL.set((dtype if usable else None, usable))
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
@@ -304,7 +262,7 @@ class Attention(nn.Module):
 def compiled(module: nn.Module, method: str) -> Callable:
     """`module.method` under mx.compile, traced once per module (and row padding: a trace
     holds how the products in it run: rows.forward_pad(), rows.kernel_dtype(),
-    rows.split_rows(), rows.quantized_mode(); and how its norms run: prepare_norms).
+    rows.split_rows(), rows.quantized_mode()).
 
     The module's parameters are implicit inputs (read at every call, so replaced weights are
     seen). Meant for the fixed-shape pieces of a decode step: one graph replay with fused
@@ -313,7 +271,6 @@ def compiled(module: nn.Module, method: str) -> Callable:
     """
     cache = module.__dict__.setdefault("_compiled_methods", {})
     key = (method, forward_pad(), kernel_dtype(), split_rows(), quantized_mode())
-    key += _NORM_KERNEL.get()  # which norms run the kernel is traced in too
     if key not in cache:
         cache[key] = mx.compile(getattr(module, method), inputs=module)
     return cache[key]

@@ -17,7 +17,7 @@ from ..rows import STEP_MAX_ROWS
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
-from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, prepare_norms, rope_from_config
+from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, rope_from_config
 
 # Norms that are zero-centred (1 + w). mlx-lm converted repos store them with +1 folded in.
 _ZC_NORM_SUFFIXES = (
@@ -114,7 +114,6 @@ class Qwen35Model(CausalLM):
         offset = state.offset
         h = self.model.embed_tokens(ids)
         rows.prepare(h.dtype, self, ids.shape[0])
-        prepare_norms(self, h.dtype)
         h = state.run_layers(self.model.layers, h, offset, ids.shape[0])
         return self.model.norm(h)
 

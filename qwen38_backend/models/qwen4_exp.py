@@ -26,7 +26,7 @@ from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
 from .hyper_connections import GatedResidual
-from .layers import RMSNorm, RopeSpec, compiled, prepare_norms
+from .layers import RMSNorm, RopeSpec, compiled
 from .moe import SparseMoE, fuse_expert_weights
 from .ple import NgramTable, PLELayer, PLEState
 from .qsa import QSAAttention, QSAState
@@ -257,7 +257,6 @@ class Qwen4ExpModel(CausalLM):
         eager = state.eager_layers(ids.shape[0])
         with unpadded():  # see logits_from_residual
             rows.prepare(R.dtype, self, ids.shape[0])
-            prepare_norms(self, R.dtype)
             layers = zip(self.model.layers, state.layers, strict=True)
             for i, (layer, layer_state) in enumerate(layers):
                 R = layer(R, ids, layer_state, offset)
