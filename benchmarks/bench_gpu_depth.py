@@ -35,6 +35,18 @@ def decode(model, state, logits, n: int) -> float:
     return decode_rate(times)
 
 
+def timed_prefill(model, ids: list[int], state, **options) -> tuple:
+    """(last logits, seconds) of prefilling `ids` into `state`, synchronised both ends."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    t = time.perf_counter()
+    logits = model.prefill(ids, state, **options)
+    mx.eval(logits)
+    mx.synchronize()
+    return logits, time.perf_counter() - t
+
+
 def attention_layers(state) -> list:
     return [layer for layer in state.layers if hasattr(layer, "budget_pages")]
 
@@ -195,12 +207,7 @@ def main() -> None:
         base = mx.get_active_memory()
         state = model.new_state(**kv)
         ids = prompt(length, vocab)
-        mx.synchronize()
-        t = time.perf_counter()
-        logits = model.prefill(ids, state, settle_layers=args.settle_layers)
-        mx.eval(logits)
-        mx.synchronize()
-        seconds = time.perf_counter() - t
+        logits, seconds = timed_prefill(model, ids, state, settle_layers=args.settle_layers)
         kv_bytes = state.nbytes()
         peak = mx.get_peak_memory()
         state.save_point()  # the Gated DeltaNet state to rewind the decoded tokens to

@@ -29,8 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import bytes_per_token, prompt, random_model  # noqa: E402
-from bench_gpu_depth import attention_layers, decode  # noqa: E402
-from common import settings  # noqa: E402
+from bench_gpu_depth import attention_layers, decode, timed_prefill  # noqa: E402
+from common import settings, write_json  # noqa: E402
 
 
 class FixedSelection:
@@ -202,12 +202,7 @@ def main() -> None:
         mx.clear_cache()
         mx.reset_peak_memory()
         state = model.new_state(kv_paged="on", kv_topk=args.budget)
-        mx.synchronize()
-        t = time.perf_counter()
-        logits = model.prefill(prompt(length, vocab), state)
-        mx.eval(logits)
-        mx.synchronize()
-        seconds = time.perf_counter() - t
+        logits, seconds = timed_prefill(model, prompt(length, vocab), state)
         row = {
             "prefill_tok_s": length / seconds,
             "prefill_peak_bytes": mx.get_peak_memory(),
@@ -218,10 +213,7 @@ def main() -> None:
         result["lengths"][str(length)] = row
         print(json.dumps({str(length): row}), flush=True)
         del state, logits
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":
