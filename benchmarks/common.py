@@ -77,6 +77,20 @@ def median_of(runs: int, fn: Callable[[], float]) -> dict:
     }
 
 
+def eval_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of mx.eval(fn()), synchronised before and after (one untimed
+    call first: compiles, allocates)."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def measured_read_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
     """Bytes/s of a large on-device reduction: the practical read-bandwidth ceiling here."""
     x = mx.ones((nbytes // 4,), dtype=mx.float32)

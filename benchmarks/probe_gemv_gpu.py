@@ -15,15 +15,13 @@ results/h200/gemv_orders_64l.json).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import random_model  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from common import environment, eval_seconds, write_json  # noqa: E402
 
 # Each thread sums its 16-byte vectors (grid-stride) so the loads cannot be dropped; one
 # float per block.
@@ -38,20 +36,6 @@ _READ = """
     }
     if (acc == 0x12345678u) out[blockIdx.x] = 1.0f;  // practically never: keeps the loads
 """
-
-
-def timed(fn, repeats: int) -> float:
-    import mlx.core as mx
-
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -94,7 +78,7 @@ def main() -> None:
     }
 
     def record(label: str, fn) -> None:
-        t = timed(fn, args.repeats)
+        t = eval_seconds(fn, args.repeats)
         result["ms"][label] = t * 1e3
         result["GBps"][label] = nbytes / t / 1e9
         print(f"{label:>16}: {t * 1e3:7.2f} ms {nbytes / t / 1e9:7.0f} GB/s", file=sys.stderr)

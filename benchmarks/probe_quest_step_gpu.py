@@ -23,14 +23,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gpu_27b import bytes_per_token, prompt, random_model  # noqa: E402
 from bench_gpu_depth import attention_layers, decode, timed_prefill  # noqa: E402
-from common import settings, write_json  # noqa: E402
+from common import eval_seconds, settings, write_json  # noqa: E402
 
 
 class FixedSelection:
@@ -62,17 +61,7 @@ class FixedSelection:
 
 def chained(fn, n: int, repeats: int) -> float:
     """Seconds per call of fn(i) for i < n queued and evaluated at once (median)."""
-    import mlx.core as mx
-
-    mx.eval([fn(i) for i in range(n)])
-    times = []
-    for _ in range(repeats):
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval([fn(i) for i in range(n)])
-        mx.synchronize()
-        times.append((time.perf_counter() - t) / n)
-    return statistics.median(times)
+    return eval_seconds(lambda: [fn(i) for i in range(n)], repeats) / n
 
 
 def selection_parts(store, n: int, repeats: int) -> dict:
