@@ -9,7 +9,9 @@ times (medians) in each of these modes:
 - `quest`: as users run it (each step scores every page and takes the top-k);
 - `fixed`: every attention layer reuses its first selection (no scoring, no top-k): the
   difference to `quest` is what selecting costs inside a real step;
-- `dense` (lengths up to `--dense-max`): the budget covers the whole context.
+- `dense` (lengths up to `--dense-max`): the budget covers the whole context;
+- `dense_fma` (`--fma`): dense with the decode attention kernel's fp32-FMA form instead of
+  its tensor-core one (kernels/decode_attention.TENSOR_CORES off).
 Then, on one attention layer's metadata at that depth, the selection alone: `--chain` calls
 queued and evaluated at once (as a step queues its layers), per call: the page-key kernel,
 the top-k, and the whole selection. Selection ms per token = 16 layers x the whole call.
@@ -121,9 +123,20 @@ def measure(model, state, logits, args, length: int) -> dict:
             for s, b in zip(stores, budgets, strict=True):
                 s.budget_pages = b
 
+    def dense_fma():  # dense through the decode attention kernel's fp32-FMA form
+        from qwen38_backend.kernels import decode_attention
+
+        decode_attention.TENSOR_CORES = False
+        try:
+            return dense()
+        finally:
+            decode_attention.TENSOR_CORES = True
+
     modes = {"quest": quest, "fixed": fixed}
     if length <= args.dense_max:
         modes["dense"] = dense
+        if args.fma:
+            modes["dense_fma"] = dense_fma
     row = {}
     for name, fn in modes.items():
         rates = [fn() for _ in range(args.runs)]
@@ -149,6 +162,7 @@ def read_bytes(config: dict, weights_bytes: int, length: int, state, bound: floa
             "quest": sparse + meta,
         }
     }
+    out["bytes_per_token"]["dense_fma"] = out["bytes_per_token"]["dense"]
     for mode, nbytes in out["bytes_per_token"].items():
         if f"{mode}_tok_s" in row:
             out[f"{mode}_fraction_of_bound"] = row[f"{mode}_tok_s"] * nbytes / bound
@@ -165,6 +179,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--dense-max", type=int, default=131072)
     ap.add_argument("--chain", type=int, default=16, help="selection calls queued at once")
+    ap.add_argument(
+        "--fma", action="store_true", help="also dense with the attention kernel's FMA form"
+    )
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

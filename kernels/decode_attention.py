@@ -9,7 +9,9 @@ Two launches:
   tiles of TILE through a STAGES-deep cp.async pipeline in shared memory (16-byte copies;
   views whose strides do not allow them are copied element by element), and serves all
   G = Hq / Hkv query heads of its group from each tile, so K and V are read once per group.
-  Scores, the running max / sum and the unnormalised output are fp32.
+  Scores, the running max / sum and the unnormalised output are fp32. Two forms: with
+  half-precision q and K/V (G <= 8) the products run on the tensor cores, each warp
+  streaming its own share of the split (`_PARTIAL_MMA`); otherwise fp32 FMAs (`_PARTIAL`).
 - combine: one block per query head rescales the splits' outputs by exp(m_s - max) and
   divides by the rescaled sum (the log-sum-exp merge), writing the query's dtype.
 
@@ -39,6 +41,12 @@ MIN_SPLIT_ROWS = 64  # below this a split's partial output costs more than its r
 HEAD_DIMS = (32, 64, 128, 256)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_Q_REGISTERS = 64  # fp32 query values per thread (G * D / lanes per row)
+# The tensor-core kernel (half-precision K/V, G <= 8): warps per block, each with its own
+# ring of STAGES tiles of 16 rows (4 x 3 x 16 KB at D 256: one block per SM, as above).
+# False: every call runs the fp32-FMA kernel (benchmarks compare the two in one run).
+TENSOR_CORES = True
+MMA_WARPS = 4
+MMA_STAGES = 3
 
 _HEADER = """
 namespace qwen38_dattn {
@@ -87,6 +95,62 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// 16 bytes, or 16 zero bytes where !live (a tile's rows past the range)
+__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool live) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  int n = live ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"
+               :: "r"(s), "l"(gmem), "r"(n) : "memory");
+}
+
+// four 8x8 b16 matrices from shared memory (lanes 8i..8i+7 give matrix i's row addresses)
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+
+// c += a (16x16, row) * b (16x8, col), fp32 accumulators, half-precision inputs
+template <typename T> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
+                                             unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // (lo, hi) -> one register, lo in the low half; and what rounding x lost
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float rest(float x) {
+    return x - __bfloat162float(__float2bfloat16_rn(x));
+  }
+};
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
+                                             unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float rest(float x) {
+    return x - __half2float(__float2half_rn(x));
+  }
+};
 
 }  // namespace qwen38_dattn
 """
@@ -324,6 +388,218 @@ _PARTIAL = """
     }
 """
 
+# The same partial outputs from the tensor cores (K/V and q in float16 / bfloat16, G <= 8):
+# the fp32-FMA kernel above issues ~0.2 warp instructions per K/V byte (G heads x 2 FMAs per
+# element), as many as an SM issues at the bandwidth bound, so it reads ~1.3 TB/s. Here a
+# warp takes 16 rows at a time with mma.sync m16n8k16 (fp32 accumulators):
+# - scores S = Q K^T: Q (the G heads padded to 16 rows) stays in registers as A fragments;
+#   K comes through ldmatrix from a swizzled shared tile (conflict-free rows of 512 bytes);
+# - O^T += V^T P^T: V^T through ldmatrix.trans; the scores' accumulator layout is the B
+#   fragment this needs, so probabilities never leave registers. P goes in as two half
+#   precision terms (rounded, then what rounding lost), so P V keeps ~16 bits of P, not 8.
+# Each warp streams its own share of the split through its own STAGES-deep cp.async ring
+# (no block barriers in the loop); the block merges its warps' (max, sum, output) once.
+# Template constants: T (K/V and q dtype), D, G, P (page rows, 0: not paged).
+_PARTIAL_MMA = """
+    using namespace qwen38_dattn;
+    constexpr int WARPS = __WARPS__, STAGES = __STAGES__, TILE = 16;
+    constexpr int CH = D / 8;                      // 16-byte chunks of a row
+    constexpr int SWZ = (CH < 8 ? CH : 8) - 1;     // chunk c of row r sits at c ^ (r & SWZ)
+    constexpr int KSTEPS = D / 16;                 // k-steps of S = Q K^T, m-tiles of O^T
+    constexpr int TILE_ELEMS = TILE * D;
+    static_assert(D % 32 == 0 && G <= 8 && sizeof(T) == 2, "unsupported shape");
+
+    extern __shared__ __align__(16) unsigned char smem_dyn[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;     // the mma fragments' row / column group
+    const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
+    const int n_splits = splits[qt];
+    if (split >= n_splits) return;                 // the whole block: no barrier is skipped
+    const int L = (P > 0 ? n_keys[0] : k_shape[2]) - (NQ - 1 - qt);
+    const int chunk = (L + n_splits - 1) / n_splits;
+    const int start = min(split * chunk, L);
+    const int end = min(start + chunk, L);
+    // this warp's share: whole tiles of the split, in order
+    const int per_warp = ((end - start + TILE - 1) / TILE + WARPS - 1) / WARPS;
+    const int wstart = min(start + warp * per_warp * TILE, end);
+    const int wend = min(wstart + per_warp * TILE, end);
+    const int n_tiles = (wend - wstart + TILE - 1) / TILE;
+
+    const T* kb = k + kvh * k_strides[1];
+    const T* vb = v + kvh * v_strides[1];
+    const long long krs = k_strides[2], vrs = v_strides[2];
+    const long long kds = k_strides[3], vds = v_strides[3];
+    const bool vec_ok = kds == 1 && vds == 1 && krs % 8 == 0 && vrs % 8 == 0 &&
+        k_strides[1] % 8 == 0 && v_strides[1] % 8 == 0 &&
+        (reinterpret_cast<unsigned long long>(k) & 15) == 0 &&
+        (reinterpret_cast<unsigned long long>(v) & 15) == 0;
+    const int* page_row = P > 0 ? pages + kvh * pages_strides[0] : pages;
+    auto pool_row = [&](int r) -> long long {
+        if constexpr (P > 0) {
+            return (long long)page_row[(r / P) * pages_strides[1]] * P + r % P;
+        } else {
+            return r;
+        }
+    };
+
+    T* ring = reinterpret_cast<T*>(smem_dyn) + warp * STAGES * 2 * TILE_ELEMS;
+    auto load_tile = [&](int t) {
+        T* ks = ring + (t % STAGES) * 2 * TILE_ELEMS;
+        T* vs = ks + TILE_ELEMS;
+        const int row0 = wstart + t * TILE;
+        if (vec_ok) {
+#pragma unroll 4
+            for (int i = lane; i < TILE * CH; i += 32) {
+                const int r = i / CH, c = i % CH;
+                const bool live = row0 + r < wend;
+                const long long pr = live ? pool_row(row0 + r) : 0;
+                const int at = r * D + (c ^ (r & SWZ)) * 8;
+                cp_async16_or_zero(ks + at, kb + pr * krs + c * 8, live);
+                cp_async16_or_zero(vs + at, vb + pr * vrs + c * 8, live);
+            }
+        } else {
+            for (int i = lane; i < TILE_ELEMS; i += 32) {
+                const int r = i / D, col = i % D;
+                const int at = r * D + ((col / 8) ^ (r & SWZ)) * 8 + col % 8;
+                const bool live = row0 + r < wend;
+                const long long pr = live ? pool_row(row0 + r) : 0;
+                ks[at] = live ? kb[pr * krs + col * kds] : T(0.0f);
+                vs[at] = live ? vb[pr * vrs + col * vds] : T(0.0f);
+            }
+        }
+    };
+
+    // Q as A fragments: rows gid (< G) of each k-step, columns tig * 2 (+ 8); rows gid + 8
+    // are the padding (zero)
+    unsigned qa[KSTEPS][2];
+    const T* qrow = q + ((long long)qt * gridDim.y * G + kvh * G + (gid < G ? gid : 0)) * D;
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            qa[s][half] = gid < G ?
+                *reinterpret_cast<const unsigned*>(qrow + s * 16 + half * 8 + tig * 2) : 0u;
+    const float sc = scale[0];
+
+    float o[KSTEPS][4];                            // O^T: d = 16i + gid (+ 8), h = tig * 2 (+ 1)
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][e] = 0.0f;
+    float m_run = neg_inf(), l_run = 0.0f;         // of head gid
+
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < n_tiles) load_tile(t);
+        cp_async_commit();
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+        if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();               // tile t has landed (this lane's copies)
+        __syncwarp();                              // and every lane's
+        const T* ks = ring + (t % STAGES) * 2 * TILE_ELEMS;
+        const T* vs = ks + TILE_ELEMS;
+        const int rows = min(TILE, wend - (wstart + t * TILE));
+
+        // S: rows 0-7 and 8-15 of the tile; s[j][0..1] = head gid, rows 8j + tig * 2 (+ 1)
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk += 2) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                unsigned b[4];
+                const int r = j * 8 + (lane & 7), c = 2 * kk + (lane >> 3);
+                ldsm_x4(b, ks + r * D + (c ^ (r & SWZ)) * 8);
+                const unsigned a0[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+                const unsigned a1[4] = {qa[kk + 1][0], 0u, qa[kk + 1][1], 0u};
+                Mma<T>::run(s[j], a0, b[0], b[1]);
+                Mma<T>::run(s[j], a1, b[2], b[3]);
+            }
+        }
+
+        // online softmax of head gid over the tile's rows (the 4 lanes of a group share it)
+        float x[4] = {s[0][0], s[0][1], s[1][0], s[1][1]};
+        const int r0 = tig * 2;
+        float tmax = neg_inf();
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + (e & 1) + (e >> 1) * 8;
+            x[e] = r < rows ? x[e] * sc : neg_inf();
+            tmax = fmaxf(tmax, x[e]);
+        }
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+        const float m_new = fmaxf(m_run, tmax);    // finite: every tile has a row
+        const float alpha = expf(m_run - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            x[e] = expf(x[e] - m_new);
+            sum += x[e];
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l_run = l_run * alpha + sum;
+        m_run = m_new;
+
+        // P^T as B fragments (k = row, n = head gid): rounded, and what rounding lost
+        const unsigned ph0 = Mma<T>::pack(x[0], x[1]), ph1 = Mma<T>::pack(x[2], x[3]);
+        const unsigned pl0 = Mma<T>::pack(Mma<T>::rest(x[0]), Mma<T>::rest(x[1]));
+        const unsigned pl1 = Mma<T>::pack(Mma<T>::rest(x[2]), Mma<T>::rest(x[3]));
+        // this lane's output columns are heads tig * 2 and tig * 2 + 1
+        const float a_even = __shfl_sync(0xffffffffu, alpha, tig * 8);
+        const float a_odd = __shfl_sync(0xffffffffu, alpha, tig * 8 + 4);
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i) {
+            o[i][0] *= a_even; o[i][1] *= a_odd; o[i][2] *= a_even; o[i][3] *= a_odd;
+            unsigned a[4];
+            const int r = (lane >> 4) * 8 + (lane & 7), c = 2 * i + ((lane >> 3) & 1);
+            ldsm_x4_trans(a, vs + r * D + (c ^ (r & SWZ)) * 8);
+            Mma<T>::run(o[i], a, ph0, ph1);
+            Mma<T>::run(o[i], a, pl0, pl1);
+        }
+        __syncwarp();                              // the stage is refilled next iteration
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // merge the warps in a fixed order (deterministic) and write the split's part
+    float* red = reinterpret_cast<float*>(smem_dyn);   // [WARPS][G][D]
+    float* m_w = red + WARPS * G * D;                  // [WARPS][G]
+    float* l_w = m_w + WARPS * G;
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = tig * 2 + (e & 1), d = 16 * i + gid + (e >> 1) * 8;
+            if (h < G) red[(warp * G + h) * D + d] = o[i][e];
+        }
+    if (tig == 0 && gid < G) {
+        m_w[warp * G + gid] = m_run;
+        l_w[warp * G + gid] = l_run;
+    }
+    __syncthreads();
+    const long long base = (((long long)qt * gridDim.y + kvh) * gridDim.x + split) * G;
+    for (int x = threadIdx.x; x < G * D; x += blockDim.x) {
+        const int h = x / D;
+        float m_max = neg_inf();
+        for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, m_w[w * G + h]);
+        float num = 0.0f, den = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            const float m = m_w[w * G + h];
+            const float f = m == neg_inf() ? 0.0f : expf(m - m_max);  // a warp with no rows
+            num += f * red[(w * G + h) * D + x % D];
+            den += f * l_w[w * G + h];
+        }
+        o_part[base * D + x] = num;
+        if (x % D == 0) {
+            m_part[base + h] = m_max;
+            l_part[base + h] = den;
+        }
+    }
+"""
+
 # Template constants: O (output dtype), D, G. One block per (query row, query head), a thread
 # per dim; the row's own split count.
 _COMBINE = """
@@ -380,6 +656,44 @@ def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
         ensure_row_contiguous=False,
         shared_memory=_smem_bytes(dtype, head_dim, group),
     )
+
+
+@functools.cache
+def _partial_kernel_mma(dtype: mx.Dtype, head_dim: int, group: int):
+    return mx.fast.cuda_kernel(
+        name="qwen38_decode_attention_partial_mma",
+        input_names=["q", "k", "v", "splits", "pages", "n_keys", "scale"],
+        output_names=["o_part", "m_part", "l_part"],
+        source=_fill(_PARTIAL_MMA, WARPS=MMA_WARPS, STAGES=MMA_STAGES),
+        header=_HEADER,
+        ensure_row_contiguous=False,
+        shared_memory=_mma_smem_bytes(head_dim, group),
+    )
+
+
+def _mma_smem_bytes(head_dim: int, group: int) -> int:
+    """Dynamic shared memory of the tensor-core kernel: each warp's ring of K and V tiles,
+    reused at the end for the warps' outputs."""
+    rings = MMA_WARPS * MMA_STAGES * 2 * 16 * head_dim * 2
+    merge = MMA_WARPS * group * (head_dim + 2) * 4
+    return max(rings, merge)
+
+
+def uses_tensor_cores(q: mx.array, k: mx.array) -> bool:
+    """Whether decode_attention runs the tensor-core kernel for these inputs (else the
+    fp32-FMA one): q and K/V in one half-precision dtype, at most 8 query heads per KV head."""
+    group = q.shape[1] // k.shape[1]
+    return (
+        TENSOR_CORES
+        and q.dtype == k.dtype
+        and k.dtype in (mx.float16, mx.bfloat16)
+        and (group <= 8 and k.shape[3] % 32 == 0)
+    )
+
+
+@functools.cache
+def _scalar(value: float) -> mx.array:
+    return mx.array([value], dtype=mx.float32)
 
 
 @functools.cache
@@ -492,13 +806,21 @@ def decode_attention(
         raise ValueError(f"decode attention: splits={splits} must be in [1, L={length}], one row")
     most = max(counts)
     per_row = mx.array(counts, dtype=mx.int32)
-    # fp32 scaled query rows [T * Hq, D] as a fresh array (row-contiguous, its own buffer)
-    qf = (q.astype(mx.float32) * scale).transpose(0, 2, 1, 3).reshape(rows * hq, d)
-    o_part, m_part, l_part = _partial_kernel(k.dtype, d, group)(
-        inputs=[qf, k, v, per_row, page_list, length_arg],
+    if uses_tensor_cores(q, k):
+        # query rows [T * Hq, D] in their own dtype, row-contiguous
+        q_rows = mx.contiguous(q.transpose(0, 2, 1, 3).reshape(rows * hq, d))
+        kernel, threads = _partial_kernel_mma(k.dtype, d, group), MMA_WARPS * 32
+        inputs = [q_rows, k, v, per_row, page_list, length_arg, _scalar(scale)]
+    else:
+        # fp32 scaled query rows [T * Hq, D] as a fresh array (row-contiguous, its own buffer)
+        qf = (q.astype(mx.float32) * scale).transpose(0, 2, 1, 3).reshape(rows * hq, d)
+        kernel, threads = _partial_kernel(k.dtype, d, group), THREADS
+        inputs = [qf, k, v, per_row, page_list, length_arg]
+    o_part, m_part, l_part = kernel(
+        inputs=inputs,
         template=[("T", k.dtype), ("D", d), ("G", group), ("P", page_tokens)],
-        grid=(most * THREADS, hkv, rows),
-        threadgroup=(THREADS, 1, 1),
+        grid=(most * threads, hkv, rows),
+        threadgroup=(threads, 1, 1),
         output_shapes=[
             (rows, hkv, most, group, d),
             (rows, hkv, most, group),

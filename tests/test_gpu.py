@@ -218,6 +218,26 @@ def test_decode_attention_kernel_other_heads(hq, hkv, d):
             _check_decode_attention(kernel, hq, hkv, length, d, dtype, "store", seed=length)
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_decode_attention_kernel_both_forms(tensor_cores, dtype, monkeypatch):
+    """Half-precision K/V run the tensor-core kernel (TENSOR_CORES) or the fp32-FMA one:
+    each against the MLX op and fp32 math at lengths around its 16-row tiles and its warps'
+    shares, rows equal to one-row calls, and pages read in place equal to gathered rows."""
+    kernel = _decode_kernel()
+    monkeypatch.setattr(kernel, "TENSOR_CORES", tensor_cores)
+    q = mx.zeros((1, 24, 1, 256), dtype=dtype)
+    assert kernel.uses_tensor_cores(q, q[:, :4]) == tensor_cores
+    for length in (1, 15, 16, 17, 63, 64, 65, 2047, 2048, 70001):
+        _check_decode_attention(kernel, 24, 4, length, 256, dtype, "pool", seed=length)
+    k, v = _kv_views(4, 3000, 256, dtype, seed=5)
+    q = mx.random.normal((1, 24, 1, 256), key=mx.random.key(6)).astype(dtype)
+    assert kernel.rows_are_steps(q, k, v, 256**-0.5, rows=5)
+    pool_k = mx.random.normal((1, 4, 4096, 256), key=mx.random.key(7)).astype(dtype)
+    pool_v = mx.random.normal((1, 4, 4096, 256), key=mx.random.key(8)).astype(dtype)
+    assert kernel.paged_matches(q, pool_k, pool_v, 256**-0.5, 32)
+
+
 def test_decode_attention_kernel_any_split_count():
     """Forced split counts (one, uneven, empty last splits, one row each) give the same
     answer: the log-sum-exp merge and the chunk arithmetic."""
