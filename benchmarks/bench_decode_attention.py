@@ -80,8 +80,9 @@ def case(kernel, name: str, q, k, v, args, bound: float) -> dict:
             kernel.TENSOR_CORES = True
 
     base = mx.get_active_memory()
-    row = {"case": name, "L": length, "kv_bytes": kv_bytes, "splits": kernel.n_splits(length, HKV)}
-    row["tensor_cores"] = kernel.uses_tensor_cores(q, k)
+    mma = kernel.uses_tensor_cores(q, k)
+    row = {"case": name, "L": length, "kv_bytes": kv_bytes, "tensor_cores": mma}
+    row["splits"] = kernel.n_splits(length, HKV, mma)
     row["mismatch_x_tolerance"] = kernel.mismatch(ours(), sdpa())
     row["fma_mismatch_x_tolerance"] = kernel.mismatch(fma(), sdpa())
     for label, fn in (("kernel", ours), ("fma_kernel", fma), ("sdpa", sdpa)):

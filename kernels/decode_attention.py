@@ -47,6 +47,11 @@ MAX_Q_REGISTERS = 64  # fp32 query values per thread (G * D / lanes per row)
 TENSOR_CORES = True
 MMA_WARPS = 4
 MMA_STAGES = 3
+# Its blocks per call at depth: fewer than the SMs. Each block keeps ~128 KB of K/V in
+# flight, and one wave of 132 of them read less than half as many (H200, 27B layer, splits
+# per KV head swept, benchmarks/results/h200/decode_attention_splits_*.json: at 262K 16
+# splits 4.47 TB/s, 33 splits 3.61; at 131K 3.58 vs 2.91; at 32K 1.72 vs 1.67).
+MMA_BLOCKS = 64
 
 _HEADER = """
 namespace qwen38_dattn {
@@ -687,7 +692,8 @@ def uses_tensor_cores(q: mx.array, k: mx.array) -> bool:
         TENSOR_CORES
         and q.dtype == k.dtype
         and k.dtype in (mx.float16, mx.bfloat16)
-        and (group <= 8 and k.shape[3] % 32 == 0)
+        and group <= 8
+        and k.shape[3] in HEAD_DIMS
     )
 
 
@@ -707,11 +713,12 @@ def _combine_kernel():
     )
 
 
-def n_splits(length: int, kv_heads: int) -> int:
-    """Splits of the sequence: about one wave of blocks over the SMs, none shorter than
-    MIN_SPLIT_ROWS (short contexts: fewer partial outputs to write and merge)."""
-    wave = max(SMS * BLOCKS_PER_SM // kv_heads, 1)
-    return max(min(math.ceil(length / MIN_SPLIT_ROWS), wave), 1)
+def n_splits(length: int, kv_heads: int, tensor_cores: bool = False) -> int:
+    """Splits of the sequence: about one wave of blocks over the SMs (the tensor-core form:
+    MMA_BLOCKS blocks), none shorter than MIN_SPLIT_ROWS (short contexts: fewer partial
+    outputs to write and merge)."""
+    blocks = MMA_BLOCKS if tensor_cores else SMS * BLOCKS_PER_SM
+    return max(min(math.ceil(length / MIN_SPLIT_ROWS), blocks // kv_heads), 1)
 
 
 def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
@@ -736,7 +743,9 @@ def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
             "share one of float16, bfloat16, float32"
         )
     group = hq // hkv
-    lanes = _lanes(k.dtype, d)
+    if uses_tensor_cores(q, k):
+        return
+    lanes = _lanes(k.dtype, d)  # the fp32-FMA form's limits
     if d not in HEAD_DIMS or lanes < 8:
         raise ValueError(f"decode attention: head_dim {d} with {k.dtype} is not supported")
     if 1 << (group - 1).bit_length() > lanes or group * d // lanes > MAX_Q_REGISTERS:
@@ -799,7 +808,8 @@ def decode_attention(
         check_pages(pages, page_tokens, length, k)
         page_list, length_arg = pages, mx.array([length], dtype=mx.int32)
     if splits is None:
-        counts = [n_splits(length - rows + 1 + t, hkv) for t in range(rows)]
+        mma = uses_tensor_cores(q, k)
+        counts = [n_splits(length - rows + 1 + t, hkv, mma) for t in range(rows)]
     elif rows == 1 and 1 <= splits <= length:
         counts = [splits]
     else:

@@ -81,9 +81,11 @@ def test_split_count():
     assert kernel.n_splits(kernel.MIN_SPLIT_ROWS, 4) == 1
     assert kernel.n_splits(kernel.MIN_SPLIT_ROWS + 1, 4) == 2
     assert kernel.n_splits(1 << 20, 4) == wave
+    assert kernel.n_splits(1 << 20, 4, tensor_cores=True) == kernel.MMA_BLOCKS // 4
     for length in (1, 7, 255, 4096, 33000, 262144):
-        s = kernel.n_splits(length, 4)
-        assert 1 <= s <= length and -(-length // s) * (s - 1) < length  # no empty split
+        for tensor_cores in (False, True):
+            s = kernel.n_splits(length, 4, tensor_cores)
+            assert 1 <= s <= length and -(-length // s) * (s - 1) < length  # no empty split
 
 
 @pytest.mark.parametrize(

@@ -209,7 +209,9 @@ def test_decode_attention_kernel_layouts(layout, dtype):
         _check_decode_attention(kernel, 24, 4, length, 256, dtype, layout, seed=length)
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(24, 4, 128), (24, 4, 64), (8, 8, 128), (16, 2, 64)])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"), [(24, 4, 128), (24, 4, 64), (8, 8, 128), (16, 2, 64), (8, 4, 32)]
+)
 def test_decode_attention_kernel_other_heads(hq, hkv, d):
     kernel = _decode_kernel()
     for dtype in (mx.bfloat16, mx.float16):
@@ -341,9 +343,53 @@ def test_quest_page_keys_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
     assert runs["auto"] == runs["off"]
 
 
+def test_decode_attention_tensor_cores_keep_bf16_steps(tmp_path, monkeypatch):
+    """The tensor-core form in a bf16 model's decode steps (teacher-forced on the MLX op's
+    greedy tokens, contiguous store and paged Quest): logits within a few bf16 roundings of
+    the op path's, and the same greedy token wherever the op path's top two differ by more
+    than that (a tiny random model in bf16 has ties at one rounding, so tokens alone would
+    test the ties)."""
+    from helpers import dense_fixture
+
+    import qwen38_backend
+
+    kernel = _decode_kernel()
+    calls = _count_calls(monkeypatch, kernel, "decode_attention")
+    model = qwen38_backend.load(dense_fixture("qwen3", tmp_path), dtype="bfloat16")
+    q = mx.zeros((1, 4, 1, 32), dtype=mx.bfloat16)
+    assert kernel.uses_tensor_cores(q, q[:, :2])
+    prompt = [(7 * i + 3) % 500 + 2 for i in range(100)]
+    stores = [{}, {"kv_paged": "on", "kv_topk": 16, "kv_page_tokens": 8, "kv_sinks": 8}]
+
+    def steps(options: dict, choice: str, tokens: list[int] | None) -> tuple[list, list[int]]:
+        monkeypatch.setenv("QWEN38_DECODE_ATTN_KERNEL", choice)
+        state = model.new_state(**options)
+        logits = model.prefill(prompt, state)
+        rows, fed = [], []
+        for i in range(12):
+            row = logits.reshape(-1).astype(mx.float32)
+            rows.append(row)
+            fed.append(int(mx.argmax(row).item()) if tokens is None else tokens[i])
+            logits = model.forward(mx.array([fed[-1]]), state, last_only=True)
+        return rows, fed
+
+    for options in stores:
+        want, tokens = steps(options, "off", None)
+        calls.clear()
+        got, _ = steps(options, "auto", tokens)
+        assert len(calls) >= 11, options
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            ulp = 2.0**-7 * mx.abs(w).max().item()  # one bf16 rounding at the logits' scale
+            diff = mx.abs(w - g).max().item()
+            assert diff <= 4 * ulp, (options, i, diff, ulp)
+            top2 = mx.sort(w)[-2:]
+            if (top2[1] - top2[0]).item() > 2 * diff:
+                assert mx.argmax(g).item() == tokens[i], (options, i)
+
+
 def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
     """A tiny fp32 model decodes the same tokens with the kernel on as off (contiguous store,
-    paged dense, paged Quest), and the kernel did run when on."""
+    paged dense, paged Quest), and the kernel did run when on (its fp32-FMA form)."""
     from helpers import dense_fixture
 
     import qwen38_backend
