@@ -160,6 +160,41 @@ template <> struct Mma<__half> {
 }  // namespace qwen38_dattn
 """
 
+# Both partial launches: this block's split of its query row's keys, [start, end), and the
+# K/V views it reads them through.
+_SPLIT_AND_VIEWS = """
+    // query row qt (of NQ) is the position L - NQ + qt: it reads the first L_row keys in
+    // its own n_splits splits, as a one-row call of that length does
+    const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
+    const int n_splits = splits[qt];
+    if (split >= n_splits) return;                 // the whole block: no barrier is skipped
+    // paged (P > 0): the keys are the first n_keys[0] logical rows of a page list, row r
+    // at pool row pages[kvh][r / P] * P + r % P; else the rows of k themselves
+    const int L = (P > 0 ? n_keys[0] : k_shape[2]) - (NQ - 1 - qt);
+    const int chunk = (L + n_splits - 1) / n_splits;
+    const int start = min(split * chunk, L);
+    const int end = min(start + chunk, L);
+
+    const T* kb = k + kvh * k_strides[1];
+    const T* vb = v + kvh * v_strides[1];
+    const long long krs = k_strides[2], vrs = v_strides[2];
+    const long long kds = k_strides[3], vds = v_strides[3];
+    // 16-byte copies need unit element stride, vector-aligned row/head strides and base
+    constexpr int VEC16 = Vec<T>::N;
+    const bool vec_ok = kds == 1 && vds == 1 && krs % VEC16 == 0 && vrs % VEC16 == 0 &&
+        k_strides[1] % VEC16 == 0 && v_strides[1] % VEC16 == 0 &&
+        (reinterpret_cast<unsigned long long>(k) & 15) == 0 &&
+        (reinterpret_cast<unsigned long long>(v) & 15) == 0;
+
+    const int* page_row = P > 0 ? pages + kvh * pages_strides[0] : pages;
+    auto pool_row = [&](int r) -> long long {
+        if constexpr (P > 0) {
+            return (long long)page_row[(r / P) * pages_strides[1]] * P + r % P;
+        } else {
+            return r;
+        }
+    };"""
+
 # Template constants from the call: T (K/V dtype), D (head dim), G (query heads per KV head).
 _PARTIAL = """
     using namespace qwen38_dattn;
@@ -182,37 +217,8 @@ _PARTIAL = """
     __shared__ float m_s[G], l_s[G], a_s[G];       // running max, sum, this tile's rescale
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // query row qt (of NQ) is the position L - NQ + qt: it reads the first L_row keys in
-    // its own n_splits splits, as a one-row call of that length does
-    const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
-    const int n_splits = splits[qt];
-    if (split >= n_splits) return;                 // the whole block: no barrier is skipped
-    // paged (P > 0): the keys are the first n_keys[0] logical rows of a page list, row r
-    // at pool row pages[kvh][r / P] * P + r % P; else the rows of k themselves
-    const int L = (P > 0 ? n_keys[0] : k_shape[2]) - (NQ - 1 - qt);
-    const int chunk = (L + n_splits - 1) / n_splits;
-    const int start = min(split * chunk, L);
-    const int end = min(start + chunk, L);
+__SPLIT_AND_VIEWS__
     const int n_tiles = (end - start + TILE - 1) / TILE;
-
-    const T* kb = k + kvh * k_strides[1];
-    const T* vb = v + kvh * v_strides[1];
-    const long long krs = k_strides[2], vrs = v_strides[2];
-    const long long kds = k_strides[3], vds = v_strides[3];
-    // 16-byte copies need unit element stride, vector-aligned row/head strides and base
-    const bool vec_ok = kds == 1 && vds == 1 && krs % VEC == 0 && vrs % VEC == 0 &&
-        k_strides[1] % VEC == 0 && v_strides[1] % VEC == 0 &&
-        (reinterpret_cast<unsigned long long>(k) & 15) == 0 &&
-        (reinterpret_cast<unsigned long long>(v) & 15) == 0;
-
-    const int* page_row = P > 0 ? pages + kvh * pages_strides[0] : pages;
-    auto pool_row = [&](int r) -> long long {
-        if constexpr (P > 0) {
-            return (long long)page_row[(r / P) * pages_strides[1]] * P + r % P;
-        } else {
-            return r;
-        }
-    };
 
     auto load_tile = [&](int t) {
         T* ks = reinterpret_cast<T*>(smem_dyn) + (t % STAGES) * 2 * TILE_ELEMS;
@@ -417,35 +423,12 @@ _PARTIAL_MMA = """
     extern __shared__ __align__(16) unsigned char smem_dyn[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;     // the mma fragments' row / column group
-    const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
-    const int n_splits = splits[qt];
-    if (split >= n_splits) return;                 // the whole block: no barrier is skipped
-    const int L = (P > 0 ? n_keys[0] : k_shape[2]) - (NQ - 1 - qt);
-    const int chunk = (L + n_splits - 1) / n_splits;
-    const int start = min(split * chunk, L);
-    const int end = min(start + chunk, L);
+__SPLIT_AND_VIEWS__
     // this warp's share: whole tiles of the split, in order
     const int per_warp = ((end - start + TILE - 1) / TILE + WARPS - 1) / WARPS;
     const int wstart = min(start + warp * per_warp * TILE, end);
     const int wend = min(wstart + per_warp * TILE, end);
     const int n_tiles = (wend - wstart + TILE - 1) / TILE;
-
-    const T* kb = k + kvh * k_strides[1];
-    const T* vb = v + kvh * v_strides[1];
-    const long long krs = k_strides[2], vrs = v_strides[2];
-    const long long kds = k_strides[3], vds = v_strides[3];
-    const bool vec_ok = kds == 1 && vds == 1 && krs % 8 == 0 && vrs % 8 == 0 &&
-        k_strides[1] % 8 == 0 && v_strides[1] % 8 == 0 &&
-        (reinterpret_cast<unsigned long long>(k) & 15) == 0 &&
-        (reinterpret_cast<unsigned long long>(v) & 15) == 0;
-    const int* page_row = P > 0 ? pages + kvh * pages_strides[0] : pages;
-    auto pool_row = [&](int r) -> long long {
-        if constexpr (P > 0) {
-            return (long long)page_row[(r / P) * pages_strides[1]] * P + r % P;
-        } else {
-            return r;
-        }
-    };
 
     T* ring = reinterpret_cast<T*>(smem_dyn) + warp * STAGES * 2 * TILE_ELEMS;
     auto load_tile = [&](int t) {
@@ -629,6 +612,7 @@ _COMBINE = """
 
 
 def _fill(source: str, **values: int) -> str:
+    source = source.replace("__SPLIT_AND_VIEWS__", _SPLIT_AND_VIEWS)
     for name, value in values.items():
         source = source.replace(f"__{name}__", str(value))
     return source
