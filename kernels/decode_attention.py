@@ -791,8 +791,8 @@ def decode_attention(
             raise ValueError("decode attention: a paged call takes one query row")
         check_pages(pages, page_tokens, length, k)
         page_list, length_arg = pages, mx.array([length], dtype=mx.int32)
+    mma = uses_tensor_cores(q, k)  # one decision per call: the split count and the kernel
     if splits is None:
-        mma = uses_tensor_cores(q, k)
         counts = [n_splits(length - rows + 1 + t, hkv, mma) for t in range(rows)]
     elif rows == 1 and 1 <= splits <= length:
         counts = [splits]
@@ -800,7 +800,7 @@ def decode_attention(
         raise ValueError(f"decode attention: splits={splits} must be in [1, L={length}], one row")
     most = max(counts)
     per_row = mx.array(counts, dtype=mx.int32)
-    if uses_tensor_cores(q, k):
+    if mma:
         # query rows [T * Hq, D] in their own dtype, row-contiguous
         q_rows = mx.contiguous(q.transpose(0, 2, 1, 3).reshape(rows * hq, d))
         kernel, threads = _partial_kernel_mma(k.dtype, d, group), MMA_WARPS * 32
