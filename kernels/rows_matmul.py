@@ -114,7 +114,7 @@ REDUCE = """
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
             if (KS == 1) {
-                if (lane == 0 && n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
+                if (lane == 0 && n0 + j < N) put(r, n0 + j, v);
             } else if (lane == 0) {
                 split_sums[(r * NW + j) * WARPS + warp] = v;
             }
@@ -130,7 +130,7 @@ REDUCE = """
                     float v = part[0];
 #pragma unroll
                     for (int q = 1; q < KS; ++q) v += part[q];
-                    if (n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
+                    if (n0 + j < N) put(r, n0 + j, v);
                 }
         }
     }
@@ -138,16 +138,13 @@ REDUCE = """
 
 # Template constants from the call: T (dtype), R (rows), NW (outputs per warp), KS (warps
 # per output), U (vectors a lane loads per output before using them).
-_PRODUCT = (
-    """
+_HEAD = """
     using namespace qwen38_dattn;
     constexpr int WARPS = __THREADS__ / 32;
     constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
     const int KV = x_shape[1] / VEC;               // vectors per row (K % VEC == 0)
-
 """
-    + ACCUMULATORS
-    + """
+_ACCUMULATE = """
     // lane's vectors first, first + stride, ... ascending for every (row, output): the
     // loads of U of them are issued before their products (the order of the sums is fixed)
     // (the weights are widened once per vector, not once per row)
@@ -158,7 +155,7 @@ _PRODUCT = (
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             float xf[VEC];
-            Vec<T>::to_float(xv[(long long)r * KV + c], xf);
+            load_x(r, c, xf);
 #pragma unroll
             for (int j = 0; j < NW; ++j)
 #pragma unroll
@@ -166,19 +163,86 @@ _PRODUCT = (
         }
     };
 """
-)
-_SOURCE = _PRODUCT + WALK + REDUCE
-_STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahead) for U
+
+# How a lane reads x: as it is, or normalised on the fly (a norm fused into the product that
+# reads its output): each row's RMS by the whole block in a fixed order (thread t sums the
+# squares of vectors t, t + THREADS, ..., then a warp butterfly, then the warps' sums in warp
+# order), then x * inv * scale rounded to T as the norm's output would be, then widened. The
+# same steps whatever R is, so rows stay invariant.
+X_PLAIN = """
+    auto load_x = [&](int r, int c, float (&xf)[VEC]) {
+        Vec<T>::to_float(xv[(long long)r * KV + c], xf);
+    };
+"""
+X_NORMED = """
+    __shared__ float norm_sums[R * WARPS];
+    __shared__ float row_inv[R];
+    for (int r = 0; r < R; ++r) {
+        float ss = 0.0f;
+        for (int c = threadIdx.x; c < KV; c += __THREADS__) {
+            float f[VEC];
+            Vec<T>::to_float(xv[(long long)r * KV + c], f);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) ss = fmaf(f[e], f[e], ss);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+        if (lane == 0) norm_sums[r * WARPS + warp] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+        float total = 0.0f;
+        for (int q = 0; q < WARPS; ++q) total += norm_sums[threadIdx.x * WARPS + q];
+        row_inv[threadIdx.x] = rsqrtf(total / static_cast<float>(x_shape[1]) + eps[0]);
+    }
+    __syncthreads();
+    const float4* sv = reinterpret_cast<const float4*>(scale);
+    auto load_x = [&](int r, int c, float (&xf)[VEC]) {
+        Vec<T>::to_float(xv[(long long)r * KV + c], xf);
+        const float inv = row_inv[r];
+#pragma unroll
+        for (int i = 0; i < VEC / 4; ++i) {
+            const float4 s = sv[c * (VEC / 4) + i];
+            const float si[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                xf[4 * i + e] = static_cast<float>(static_cast<T>(xf[4 * i + e] * inv * si[e]));
+        }
+    };
+"""
+# Where an output goes: y = T(sum), or with a residual fused (the add that follows the
+# product) y = T(res + T(sum)), the add's own rounding.
+Y_PLAIN = """
+    auto put = [&](int r, long long n, float v) { y[(long long)r * N + n] = T(v); };
+"""
+Y_RESIDUAL = """
+    auto put = [&](int r, long long n, float v) {
+        const long long i = (long long)r * N + n;
+        y[i] = T(static_cast<float>(res[i]) + static_cast<float>(T(v)));
+    };
+"""
 
 
 @functools.cache
-def _kernel(staged_bytes: int = 0):
+def _kernel(staged_bytes: int = 0, normed: bool = False, residual: bool = False):
     """The product with the register walk, or (staged_bytes > 0) with the staged walk and
-    that much shared memory for its copies."""
-    source = _STAGED_SOURCE if staged_bytes else _SOURCE
+    that much shared memory for its copies; `normed`: x goes through an RMSNorm first (inputs
+    scale [K] fp32 and eps [1]); `residual`: y adds a residual (input res [R, N])."""
+    source = (
+        _HEAD
+        + ACCUMULATORS
+        + (X_NORMED if normed else X_PLAIN)
+        + (Y_RESIDUAL if residual else Y_PLAIN)
+        + _ACCUMULATE
+        + (STAGED_WALK if staged_bytes else WALK)
+        + REDUCE
+    )
+    name = "qwen38_rows_matmul" + "_staged" * bool(staged_bytes)
+    name += "_normed" * normed + "_residual" * residual
+    inputs = ["x", "w"] + ["scale", "eps"] * normed + ["res"] * residual
     return mx.fast.cuda_kernel(
-        name="qwen38_rows_matmul_staged" if staged_bytes else "qwen38_rows_matmul",
-        input_names=["x", "w"],
+        name=name,
+        input_names=inputs,
         output_names=["y"],
         source=source.replace("__THREADS__", str(THREADS)),
         header=VECTORS,
@@ -219,36 +283,61 @@ def _shape(rows: int) -> tuple[int, int]:
     return nw, max(LOADS // nw, 1)
 
 
-def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+def rows_matmul(
+    x: mx.array,
+    w: mx.array,
+    norm: tuple[mx.array, float] | None = None,
+    residual: mx.array | None = None,
+) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in x's dtype (fp32 accumulation), R >= 1, every row
-    computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0."""
+    computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0.
+
+    `norm` = (scale [K] fp32, eps): x is an RMSNorm's input, normalised inside the product
+    (T(x * rsqrt(mean(x^2) + eps) * scale) per row, as the norm would output it), so the
+    norm is no launch of its own. `residual` [R, N] in x's dtype: returns T(residual + y),
+    the add that follows the product, in the same launch."""
     n = w.shape[0]
-    return launch_in_parts(lambda rows: _launch(rows, n), x, [w], n, [("T", x.dtype)])
+    normed, added = norm is not None, residual is not None
+    operands = [w] + ([norm[0], _eps(norm[1])] if normed else [])
+    per_row = [residual] if added else []
+    return launch_in_parts(
+        lambda rows: _launch(rows, n, normed, added), x, operands, n, [("T", x.dtype)], per_row
+    )
 
 
-def _launch(rows: int, n: int) -> tuple:
+@functools.cache
+def _eps(eps: float) -> mx.array:
+    return mx.array([eps], dtype=mx.float32)
+
+
+def _launch(rows: int, n: int, normed: bool = False, residual: bool = False) -> tuple:
     """(kernel, template constants) of a launch of `rows` rows and `n` outputs."""
     nw, loads = _shape(rows)
     shape = [("R", rows), ("NW", nw), ("KS", _split(n))]
     if rows >= STAGED_FROM:
-        return _kernel(THREADS * STAGES * nw * 16), [*shape, ("S", STAGES)]
-    return _kernel(), [*shape, ("U", loads)]
+        kernel = _kernel(THREADS * STAGES * nw * 16, normed, residual)
+        return kernel, [*shape, ("S", STAGES)]
+    return _kernel(0, normed, residual), [*shape, ("U", loads)]
 
 
-def launch_in_parts(launch, x: mx.array, operands: list, n: int, template: list) -> mx.array:
+def launch_in_parts(
+    launch, x: mx.array, operands: list, n: int, template: list, per_row: list = ()
+) -> mx.array:
     """A row-invariant product over x [R, ...]'s rows, at most ROWS_PER_LAUNCH per launch:
     `launch(rows)` -> (kernel, its row constants: R, NW, KS and the walk's), inputs
-    [part, *operands], `template` first, output [rows, n]."""
+    [part, *operands, *the same rows of each per_row array], `template` first, output
+    [rows, n]."""
     outs = []
     for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
-        part = x[start : start + ROWS_PER_LAUNCH]
+        cut = slice(start, start + ROWS_PER_LAUNCH)
+        part = x[cut]
         rows = part.shape[0]
         kernel, constants = launch(rows)
         shape = dict(constants)
         per_block = shape["NW"] * THREADS // 32 // shape.get("KS", 1)
         outs.append(
             kernel(
-                inputs=[part, *operands],
+                inputs=[part, *operands, *(a[cut] for a in per_row)],
                 template=[*template, *constants],
                 grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),
@@ -260,12 +349,12 @@ def launch_in_parts(launch, x: mx.array, operands: list, n: int, template: list)
 
 
 def probe_rows(fn, x: mx.array, want: mx.array, slack: float, what: str) -> bool:
-    """Whether fn(x) computes each row of x as fn of that row alone, bit for bit, and close
-    to the fp32 product `want` (within 2 ulp of x's dtype, plus `slack`); a failure to run
-    or a disagreement warns, naming `what`."""
+    """Whether fn(x, 0) computes each row of x as fn(that row, its index) alone, bit for
+    bit, and close to the fp32 product `want` (within 2 ulp of x's dtype, plus `slack`); a
+    failure to run or a disagreement warns, naming `what`."""
     try:
-        together = fn(x)
-        alone = mx.concatenate([fn(x[i : i + 1]) for i in range(x.shape[0])])
+        together = fn(x, 0)
+        alone = mx.concatenate([fn(x[i : i + 1], i) for i in range(x.shape[0])])
         mx.eval(together, alone, want)
     except Exception as e:  # noqa: BLE001 - any failure means: the fallback runs
         warnings.warn(f"{what} unavailable ({e})", stacklevel=3)
@@ -316,4 +405,20 @@ def available(dtype: mx.Dtype) -> bool:
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
     w = (mx.random.normal((n, k), key=kw) / k**0.5).astype(dtype)
     want = x.astype(mx.float32) @ w.astype(mx.float32).T
-    return probe_rows(lambda part: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel")
+    plain = probe_rows(lambda part, _: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel")
+    if not plain:
+        return False
+    # the fused norm and residual: rows still alone, close to the norm, product and add
+    # done one after another (the norm's sum may round its last bit otherwise: the slack)
+    scale = 1.0 + 0.1 * mx.random.normal((k,), key=kx)
+    res = mx.random.normal((rows, n), key=kw).astype(dtype)
+    xf = x.astype(mx.float32)
+    normed = (xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + 1e-6) * scale).astype(dtype)
+    want = res.astype(mx.float32) + normed.astype(mx.float32) @ w.astype(mx.float32).T
+    return probe_rows(
+        lambda part, i: rows_matmul(part, w, (scale, 1e-6), res[i : i + part.shape[0]]),
+        x,
+        want,
+        1e-2,
+        "rows matmul kernel with a fused norm and residual",
+    )

@@ -436,6 +436,75 @@ def test_rows_matmul_rows_equal_one_row_calls(dtype):
         assert (err <= 0).all().item(), (n, k)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_rows_matmul_fused_norm_and_residual(dtype):
+    """The product with its input's zero-centred RMSNorm and the residual add in the launch:
+    each row of 2..16 rows equals the one-row call bit for bit, and the result is the norm,
+    the product and the add done one after another by MLX ops (27B shapes): in bf16 equal
+    outputs for most elements, and everywhere within two roundings of the output plus one
+    of a normalised element."""
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    from qwen38_backend.models.layers import RMSNorm
+
+    assert kernel.available(dtype)
+    for n, k in ((17408, 5120), (5120, 6144), (1003, 264)):
+        kx, kw, kn, kr = mx.random.split(mx.random.key(n), 4)
+        x = (3.0 * mx.random.normal((16, k), key=kx)).astype(dtype)
+        w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(dtype)
+        res = mx.random.normal((16, n), key=kr).astype(dtype)
+        norm = RMSNorm(k, 1e-6, zero_centered=True)
+        norm.weight = (0.1 * mx.random.normal((k,), key=kn)).astype(dtype)
+        fused = norm.kernel_form()
+
+        def call(part, first, w=w, res=res, fused=fused):
+            return kernel.rows_matmul(part, w, fused, res[first : first + part.shape[0]])
+
+        alone = mx.concatenate([call(x[i : i + 1], i) for i in range(16)])
+        for rows in (2, 3, 5, 8, 9, 16):
+            assert mx.array_equal(call(x[:rows], 0), alone[:rows]).item(), (n, k, rows)
+        want = res + kernel.rows_matmul(norm(x), w)  # the ops a fused launch replaces
+        ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-7
+        g, wf = alone.astype(mx.float32), want.astype(mx.float32)
+        if dtype == mx.bfloat16:  # fp32 keeps any difference in the norm's last bit
+            assert mx.mean(g == wf).item() > 0.9, (n, k)
+        # one rounding of a normalised element (|x| up to ~4) times its weight column
+        bound = 2 * ulp * (mx.abs(wf) + 4 * mx.abs(w).max(axis=1).astype(mx.float32))
+        assert (mx.abs(g - wf) <= bound).all().item(), (n, k)
+
+
+def test_fused_norms_keep_bf16_steps(gpu_models, monkeypatch):
+    """A bf16 27B-shaped model's decode steps with the norms and residual adds inside the
+    products vs as their own ops (teacher-forced on the ops' greedy tokens): logits within a
+    few bf16 roundings, the same greedy token wherever the top two differ by more."""
+    from qwen38_backend import rows
+
+    model = gpu_models["27b"]
+    prompt = [(7 * i + 3) % 30000 + 2 for i in range(40)]
+
+    def steps(fuse: bool, tokens: list[int] | None) -> tuple[list, list[int]]:
+        monkeypatch.setattr(rows, "FUSE_NORMS", fuse)
+        state = model.new_state()
+        logits = model.prefill(prompt, state)
+        out, fed = [], []
+        for i in range(8):
+            row = logits.reshape(-1).astype(mx.float32)
+            out.append(row)
+            fed.append(int(mx.argmax(row).item()) if tokens is None else tokens[i])
+            logits = model.forward(mx.array([fed[-1]]), state, last_only=True)
+        return out, fed
+
+    want, tokens = steps(False, None)
+    got, _ = steps(True, tokens)
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        ulp = 2.0**-7 * mx.abs(w).max().item()
+        diff = mx.abs(w - g).max().item()
+        assert diff <= 4 * ulp, (i, diff, ulp)
+        top2 = mx.sort(w)[-2:]
+        if (top2[1] - top2[0]).item() > 2 * diff:
+            assert mx.argmax(g).item() == tokens[i], i
+
+
 def test_steps_take_the_rows_kernel(gpu_models):
     """A bf16 forward on CUDA chooses the row-invariant kernel (its probe passed), so the
     verify tests below run it rather than padded products."""
