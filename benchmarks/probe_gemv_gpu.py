@@ -38,6 +38,37 @@ _READ = """
 """
 
 
+def one_row_variants(rk, mats: list, xs: dict, record) -> None:
+    """One-row launches with the kernel's template constants changed (each a kernel of its
+    own: the constants are template arguments), and with a fused norm."""
+    import mlx.core as mx
+
+    def run(fused):
+        return [rk.rows_matmul(xs[w.shape[1]], w, **fused(w)) for w in mats]
+
+    hidden = max(xs, key=lambda k: sum(w.shape[1] == k for w in mats))  # most products' K
+    scale = mx.ones((hidden,), dtype=mx.float32)
+    saved = (rk.SPLIT_K, rk.SPLIT_K_MAX_N, rk.LOADS, dict(rk.OUTPUTS_PER_WARP))
+    variants = {
+        "split_k_off": {"SPLIT_K_MAX_N": 0},
+        "split_k_2": {"SPLIT_K": 2},
+        "split_k_8": {"SPLIT_K": 8},
+        "split_k_all": {"SPLIT_K_MAX_N": 1 << 30},
+        "loads_8": {"LOADS": 8},
+        "loads_2": {"LOADS": 2},
+        "outputs_2": {"OUTPUTS_PER_WARP": {**rk.OUTPUTS_PER_WARP, 1: 2}},
+    }
+    for label, changes in variants.items():
+        for name, value in changes.items():
+            setattr(rk, name, value)
+        record(f"kernel_1row_{label}", lambda: run(fused=lambda w: {}))
+        rk.SPLIT_K, rk.SPLIT_K_MAX_N, rk.LOADS, rk.OUTPUTS_PER_WARP = saved
+    record(
+        "kernel_1row_normed",
+        lambda: run(fused=lambda w: {"norm": (scale, 1e-6)} if w.shape[1] == hidden else {}),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
@@ -45,6 +76,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument(
         "--rows", type=lambda v: [int(r) for r in v.split(",")], default=[1, 2, 4, 5, 8]
+    )
+    ap.add_argument(
+        "--variants",
+        action="store_true",
+        help="also one-row launches with other split-K, loads and outputs per warp, and with"
+        " the norm fused where the input is the hidden state",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -91,6 +128,8 @@ def main() -> None:
         record(
             f"kernel_{r}rows", lambda r=r: [rk.rows_matmul(xs_rows[w.shape[1], r], w) for w in mats]
         )
+    if args.variants:
+        one_row_variants(rk, mats, xs, record)
     read = mx.fast.cuda_kernel(
         name="qwen38_probe_read", input_names=["w"], output_names=["out"], source=_READ
     )
