@@ -386,15 +386,17 @@ def launch_in_parts(
     [rows, n]."""
     outs = []
     for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
+        # no slice where one launch takes every row: a slice is a graph node to encode
+        whole = x.shape[0] <= ROWS_PER_LAUNCH
         cut = slice(start, start + ROWS_PER_LAUNCH)
-        part = x[cut]
+        part = x if whole else x[cut]
         rows = part.shape[0]
         kernel, constants = launch(rows)
         shape = dict(constants)
         per_block = shape["NW"] * THREADS // 32 // shape.get("KS", 1)
         outs.append(
             kernel(
-                inputs=[part, *operands, *(a[cut] for a in per_row)],
+                inputs=[part, *operands, *(a if whole else a[cut] for a in per_row)],
                 template=[*template, *constants],
                 grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),

@@ -335,7 +335,7 @@ def _kernel_product(
     if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype != kernel_for:
         return None
     weight, bias = _dense_weight(linear)
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (a reshape is a node too)
     kernels = _kernel_module()
     if weight is None or flat.shape[0] > STEP_MAX_ROWS or not kernels.fits(flat, weight):
         return None
@@ -346,8 +346,12 @@ def _kernel_product(
         and residual.dtype == x.dtype
         and residual.shape == out_shape
     )
-    added = residual.reshape(flat.shape[0], -1) if inside else None
-    y = kernels.rows_matmul(flat, weight, norm, added).reshape(out_shape)
+    added = None
+    if inside:
+        added = residual if residual.ndim == 2 else residual.reshape(flat.shape[0], -1)
+    y = kernels.rows_matmul(flat, weight, norm, added)
+    if x.ndim != 2:
+        y = y.reshape(out_shape)
     if bias is not None:
         y = y + bias
     return y if residual is None or inside else residual + y
