@@ -40,14 +40,11 @@ _READ = """
 
 def one_row_variants(rk, mats: list, xs: dict, record) -> None:
     """One-row launches with the kernel's template constants changed (each a kernel of its
-    own: the constants are template arguments), and with a fused norm."""
-    import mlx.core as mx
+    own: the constants are template arguments)."""
 
-    def run(fused):
-        return [rk.rows_matmul(xs[w.shape[1]], w, **fused(w)) for w in mats]
+    def run():
+        return [rk.rows_matmul(xs[w.shape[1]], w) for w in mats]
 
-    hidden = max(xs, key=lambda k: sum(w.shape[1] == k for w in mats))  # most products' K
-    scale = mx.ones((hidden,), dtype=mx.float32)
     saved = (rk.SPLIT_K, rk.SPLIT_K_MAX_N, rk.LOADS, dict(rk.OUTPUTS_PER_WARP))
     variants = {
         "split_k_off": {"SPLIT_K_MAX_N": 0},
@@ -61,12 +58,8 @@ def one_row_variants(rk, mats: list, xs: dict, record) -> None:
     for label, changes in variants.items():
         for name, value in changes.items():
             setattr(rk, name, value)
-        record(f"kernel_1row_{label}", lambda: run(fused=lambda w: {}))
+        record(f"kernel_1row_{label}", run)
         rk.SPLIT_K, rk.SPLIT_K_MAX_N, rk.LOADS, rk.OUTPUTS_PER_WARP = saved
-    record(
-        "kernel_1row_normed",
-        lambda: run(fused=lambda w: {"norm": (scale, 1e-6)} if w.shape[1] == hidden else {}),
-    )
 
 
 def main() -> None:
@@ -80,8 +73,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         action="store_true",
-        help="also one-row launches with other split-K, loads and outputs per warp, and with"
-        " the norm fused where the input is the hidden state",
+        help="also one-row launches with other split-K, loads and outputs per warp",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -11,9 +11,7 @@ times (medians) in each of these modes:
   difference to `quest` is what selecting costs inside a real step;
 - `dense` (lengths up to `--dense-max`): the budget covers the whole context;
 - `dense_fma` (`--fma`): dense with the decode attention kernel's fp32-FMA form instead of
-  its tensor-core one (kernels/decode_attention.TENSOR_CORES off);
-- `quest_unfused`, `dense_unfused` (`--unfused`): the norms and residual adds as their own
-  kernels, not inside the products (rows.FUSE_NORMS off).
+  its tensor-core one (kernels/decode_attention.TENSOR_CORES off).
 Then, on one attention layer's metadata at that depth, the selection alone: `--chain` calls
 queued and evaluated at once (as a step queues its layers), per call: the page-key kernel,
 the top-k, and the whole selection. Selection ms per token = 16 layers x the whole call.
@@ -134,27 +132,11 @@ def measure(model, state, logits, args, length: int) -> dict:
         finally:
             decode_attention.TENSOR_CORES = True
 
-    def unfused(fn):  # the norms and residual adds as their own ops (rows.FUSE_NORMS off)
-        def run():
-            from qwen38_backend import rows
-
-            rows.FUSE_NORMS = False
-            try:
-                return fn()
-            finally:
-                rows.FUSE_NORMS = True
-
-        return run
-
     modes = {"quest": quest, "fixed": fixed}
-    if args.unfused:
-        modes["quest_unfused"] = unfused(quest)
     if length <= args.dense_max:
         modes["dense"] = dense
         if args.fma:
             modes["dense_fma"] = dense_fma
-        if args.unfused:
-            modes["dense_unfused"] = unfused(dense)
     row = {}
     for name, fn in modes.items():
         rates = [fn() for _ in range(args.runs)]
@@ -180,9 +162,7 @@ def read_bytes(config: dict, weights_bytes: int, length: int, state, bound: floa
             "quest": sparse + meta,
         }
     }
-    for mode in ("dense_fma", "dense_unfused"):
-        out["bytes_per_token"][mode] = out["bytes_per_token"]["dense"]
-    out["bytes_per_token"]["quest_unfused"] = out["bytes_per_token"]["quest"]
+    out["bytes_per_token"]["dense_fma"] = out["bytes_per_token"]["dense"]
     for mode, nbytes in out["bytes_per_token"].items():
         if f"{mode}_tok_s" in row:
             out[f"{mode}_fraction_of_bound"] = row[f"{mode}_tok_s"] * nbytes / bound
@@ -201,11 +181,6 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=16, help="selection calls queued at once")
     ap.add_argument(
         "--fma", action="store_true", help="also dense with the attention kernel's FMA form"
-    )
-    ap.add_argument(
-        "--unfused",
-        action="store_true",
-        help="also quest and dense with the norms and residual adds as their own ops",
     )
     ap.add_argument("--bound-gbps", type=float, default=4800.0)
     ap.add_argument("--out", default=None)

@@ -49,9 +49,6 @@ from contextvars import ContextVar
 import mlx.core as mx
 import mlx.nn as nn
 
-# Whether a step's norms and residual adds run inside its products' launches (`project`);
-# False keeps them as their own ops (benchmarks and tests compare the two)
-FUSE_NORMS = True
 STEP_MAX_ROWS = 16  # forwards of at most this many rows run as steps (row by row where it matters)
 GPU_PAD_ROWS = 8  # products of fewer rows are padded to this many on a GPU (module docstring)
 
@@ -259,40 +256,10 @@ def exact_rows(net: nn.Module | None = None, dtype: mx.Dtype | None = None) -> i
     return STEP_MAX_ROWS if mx.default_device().type == mx.DeviceType.cpu else 1
 
 
-def fuse_norms() -> bool:
-    """FUSE_NORMS as a step reads it (a compiled trace holds one choice: its cache key)."""
-    return FUSE_NORMS
-
-
-def project(
-    linear: nn.Module,
-    x: mx.array,
-    norm: nn.Module | None = None,
-    residual: mx.array | None = None,
-) -> mx.array:
+def project(linear: nn.Module, x: mx.array) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
     where `prepare` chose it, a quantized one as `quantized_plan` decided, else fewer than
-    pad_rows() rows padded; on the CPU each row of a step alone (module docstring).
-
-    `norm` (an RMSNorm over `in`): linear(norm(x)); `residual`: residual + linear(...). In
-    the kernel both run inside the product's launch (a step's norms and adds were a third
-    of its kernels); elsewhere as their own ops."""
-    if not FUSE_NORMS:
-        y = _product(linear, x if norm is None else norm(x))
-        return y if residual is None else residual + y
-    fused = None if norm is None else norm.kernel_form()
-    if norm is not None and fused is None:
-        x = norm(x)
-    y = _kernel_product(linear, x, fused, residual)
-    if y is not None:
-        return y
-    if fused is not None:
-        x = norm(x)
-    y = _product(linear, x)
-    return y if residual is None else residual + y
-
-
-def _product(linear: nn.Module, x: mx.array) -> mx.array:
+    pad_rows() rows padded; on the CPU each row of a step alone (module docstring)."""
     y = _kernel_product(linear, x)
     if y is not None:
         return y
@@ -321,40 +288,22 @@ def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
     return _row_by_row(fn, x)
 
 
-def _kernel_product(
-    linear,
-    x: mx.array,
-    norm: tuple[mx.array, float] | None = None,
-    residual: mx.array | None = None,
-) -> mx.array | None:
+def _kernel_product(linear, x: mx.array) -> mx.array | None:
     """linear(x) through kernels/rows_matmul.py where this forward's plan runs it and it
-    takes these operands (a dense weight, a step's rows of the kernel's dtype), else None;
-    `norm` = (scale, eps) normalises x first, in the launch; `residual` is added, in the
-    launch where it can be (no bias, x's dtype), else as an op after it."""
+    takes these operands (a dense weight, a step's rows of the kernel's dtype), else None."""
     kernel_for = _PLAN.get()[1]
     if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype != kernel_for:
         return None
     weight, bias = _dense_weight(linear)
-    flat = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (a reshape is a node too)
+    # a step's 2-D rows go in and come out as they are (a reshape is a node to encode too)
+    flat = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     kernels = _kernel_module()
     if weight is None or flat.shape[0] > STEP_MAX_ROWS or not kernels.fits(flat, weight):
         return None
-    out_shape = (*x.shape[:-1], weight.shape[0])
-    inside = (
-        residual is not None
-        and bias is None
-        and residual.dtype == x.dtype
-        and residual.shape == out_shape
-    )
-    added = None
-    if inside:
-        added = residual if residual.ndim == 2 else residual.reshape(flat.shape[0], -1)
-    y = kernels.rows_matmul(flat, weight, norm, added)
+    y = kernels.rows_matmul(flat, weight)
     if x.ndim != 2:
-        y = y.reshape(out_shape)
-    if bias is not None:
-        y = y + bias
-    return y if residual is None or inside else residual + y
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
 
 
 def _row_by_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:

@@ -243,16 +243,8 @@ class GatedDeltaNet(nn.Module):
         self._kernel_for = str(dtype) if usable else ""
         self._kernel_checked = str(dtype)
 
-    def step(
-        self,
-        x: mx.array,
-        conv: mx.array,
-        recurrent: mx.array,
-        norm: nn.Module | None = None,
-        residual: mx.array | None = None,
-    ):
-        """Pure form of the few-token path: (output [T, hidden] of x, or of norm(x), plus
-        `residual` when given (see rows.project), then what
+    def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
+        """Pure form of the few-token path: (output [T, hidden], then what
         GatedDeltaNetState.advance takes: the conv history after the last row, the conv
         inputs [history; rows] (T > 1; else the history), the recurrent state after each row
         [T, Hv, Dv, Dk]). Row i is what a one-row step at its position computes: the CUDA
@@ -260,7 +252,7 @@ class GatedDeltaNet(nn.Module):
         same code for any T; elsewhere the one-token core runs per row."""
         spec = self._core_spec()
         weights = (self.conv1d.weight[:, :, 0].astype(x.dtype), self.A_log, self.dt_bias)
-        qkv, z, b, a = self._project(x, norm)
+        qkv, z, b, a = self._project(x)
         T = x.shape[0]
         if getattr(self, "_kernel_for", "") == str(x.dtype):
             o, last, states = _kernel_module().gdn_decode_rows(
@@ -280,7 +272,7 @@ class GatedDeltaNet(nn.Module):
             o = outs[0] if T == 1 else mx.concatenate(outs, axis=0)
             states = mx.stack(rows)
         inputs = mx.concatenate([conv, qkv], axis=0) if T > 1 else last
-        return project(self.out_proj, o, residual=residual), last, inputs, states
+        return project(self.out_proj, o), last, inputs, states
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
@@ -307,12 +299,12 @@ class GatedDeltaNet(nn.Module):
         self.value_dim //= size
         self.conv_dim //= size
 
-    def _project(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
-        """qkv, z, b, a of x (or of norm(x)): one fused matmul once `fuse()` ran, else four."""
+    def _project(self, x: mx.array) -> list[mx.array]:
+        """qkv, z, b, a: one fused matmul once `fuse()` ran, else four."""
         if "in_proj_all" in self:
             sizes = [self.conv_dim, self.value_dim, self.n_v_heads, self.n_v_heads]
-            return split_outputs(project(self.in_proj_all, x, norm), sizes)
-        return [project(self[name], x, norm) for name in self._PROJECTIONS]
+            return split_outputs(project(self.in_proj_all, x), sizes)
+        return [project(self[name], x) for name in self._PROJECTIONS]
 
     def fuse(self) -> None:
         """The four input projections as one matmul (after loading)."""

@@ -9,15 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..rows import (
-    STEP_MAX_ROWS,
-    forward_pad,
-    fuse_norms,
-    kernel_dtype,
-    project,
-    quantized_mode,
-    split_rows,
-)
+from ..rows import STEP_MAX_ROWS, forward_pad, kernel_dtype, project, quantized_mode, split_rows
 from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
 
 
@@ -55,14 +47,6 @@ class RMSNorm(nn.Module):
         # three decoded slower on the H200 (results/h200/norm_kernel_*_4k.json)
         y = mx.fast.rms_norm(x, scale, self.eps)
         return y if y.dtype == x.dtype else y.astype(x.dtype)
-
-    def kernel_form(self) -> tuple[mx.array, float] | None:
-        """(fp32 scale, eps) for a product that normalises its own input with this norm
-        (rows.project's `norm`): the zero-centred form, x * inv * (1 + w) in fp32 rounded
-        once; None for the plain form (HF rounds x * inv before the weight there)."""
-        if not self.zero_centered:
-            return None
-        return self._scale.get(self.weight, lambda w: 1.0 + w.astype(mx.float32)), self.eps
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
@@ -217,17 +201,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered_norm)
 
     def project_qkv(
-        self, x: mx.array, offset: int | mx.array, norm: RMSNorm | None = None
+        self, x: mx.array, offset: int | mx.array
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """Return roped q [1,H,T,D], k and v [1,Hkv,T,D], and the gate [T, H*D] (or None)
-        of x, or of norm(x) (see rows.project)."""
+        """Return roped q [1,H,T,D], k and v [1,Hkv,T,D], and the gate [T, H*D] (or None)."""
         T = x.shape[0]
         H, D = self.n_heads, self.head_dim
         if "qkv_proj" in self:
-            q, k, v = split_outputs(project(self.qkv_proj, x, norm), self._qkv_sizes)
+            q, k, v = split_outputs(project(self.qkv_proj, x), self._qkv_sizes)
         else:
-            names = ("q_proj", "k_proj", "v_proj")
-            q, k, v = (project(self[name], x, norm) for name in names)
+            q, k, v = (project(self[name], x) for name in ("q_proj", "k_proj", "v_proj"))
         gate = None
         if self.output_gate:
             q = q.reshape(T, H, 2 * D)
@@ -265,15 +247,12 @@ class Attention(nn.Module):
         for name in ("q_proj", "k_proj", "v_proj"):
             del self[name]
 
-    def output(
-        self, out: mx.array, gate: mx.array | None, residual: mx.array | None = None
-    ) -> mx.array:
-        """Attention output [1, H, T, D] -> gated (if any) and projected [T, hidden]
-        (added to `residual` when given)."""
+    def output(self, out: mx.array, gate: mx.array | None) -> mx.array:
+        """Attention output [1, H, T, D] -> gated (if any) and projected [T, hidden]."""
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[2], -1)
         if gate is not None:
             out = out * mx.sigmoid(gate)
-        return project(self.o_proj, out, residual=residual)
+        return project(self.o_proj, out)
 
     def __call__(self, x: mx.array, kv, offset: int | mx.array) -> mx.array:
         q, k, v, gate = self.project_qkv(x, offset)
@@ -283,7 +262,7 @@ class Attention(nn.Module):
 def compiled(module: nn.Module, method: str) -> Callable:
     """`module.method` under mx.compile, traced once per module (and row padding: a trace
     holds how the products in it run: rows.forward_pad(), rows.kernel_dtype(),
-    rows.split_rows(), rows.quantized_mode(), rows.fuse_norms()).
+    rows.split_rows(), rows.quantized_mode()).
 
     The module's parameters are implicit inputs (read at every call, so replaced weights are
     seen). Meant for the fixed-shape pieces of a decode step: one graph replay with fused
@@ -291,7 +270,7 @@ def compiled(module: nn.Module, method: str) -> Callable:
     what separates the kernels.
     """
     cache = module.__dict__.setdefault("_compiled_methods", {})
-    key = (method, forward_pad(), kernel_dtype(), split_rows(), quantized_mode(), fuse_norms())
+    key = (method, forward_pad(), kernel_dtype(), split_rows(), quantized_mode())
     if key not in cache:
         cache[key] = mx.compile(getattr(module, method), inputs=module)
     return cache[key]
@@ -324,15 +303,13 @@ class PreNormBlock(nn.Module):
             return finish(h, kv.attend(q, k, v, scale), *gate)
         return attend_then(q, k, v, scale, lambda out: finish(h, out, *gate))
 
-    # the norms and residual adds go to rows.project, which runs them inside a step's
-    # products where the row-invariant kernel takes them
     def _attention_in(self, h: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
-        q, k, v, gate = self.self_attn.project_qkv(h, offset, self.input_layernorm)
+        q, k, v, gate = self.self_attn.project_qkv(self.input_layernorm(h), offset)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attention_out(self, h: mx.array, out: mx.array, gate: mx.array | None = None):
-        h = self.self_attn.output(out, gate, residual=h)
-        return self.mlp(h, self.post_attention_layernorm, residual=h)
+        h = h + self.self_attn.output(out, gate)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 @mx.compile
@@ -369,13 +346,9 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self["gate_proj"], self["up_proj"]
 
-    def __call__(
-        self, x: mx.array, norm: RMSNorm | None = None, residual: mx.array | None = None
-    ) -> mx.array:
-        """down(silu(gate(x)) * up(x)), of norm(x) when given, plus `residual` when given
-        (see rows.project)."""
+    def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
-            gate, up = mx.split(project(self.gate_up_proj, x, norm), 2, axis=-1)
+            gate, up = mx.split(project(self.gate_up_proj, x), 2, axis=-1)
         else:
-            gate, up = project(self.gate_proj, x, norm), project(self.up_proj, x, norm)
-        return project(self.down_proj, swiglu(gate, up), residual=residual)
+            gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        return project(self.down_proj, swiglu(gate, up))

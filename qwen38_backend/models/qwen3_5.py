@@ -82,9 +82,9 @@ class Qwen35Block(PreNormBlock):
         return decode_step(self, h, state)
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
-        # norms and residual adds inside the products where the rows kernel runs them
-        h, *rows = self.linear_attn.step(h, conv, recurrent, self.input_layernorm, residual=h)
-        return self.mlp(h, self.post_attention_layernorm, residual=h), *rows
+        out, *rows = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)
+        h = h + out
+        return h + self.mlp(self.post_attention_layernorm(h)), *rows
 
 
 class Qwen35Body(nn.Module):
