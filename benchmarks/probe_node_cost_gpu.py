@@ -4,9 +4,11 @@
 
 A decode step is ~2,000 nodes (benchmarks/probe_step_graph.py), and on the H200 the host's
 work per step was as long as the device's. Here each kind of node runs as a chain of
-`--nodes` dependent nodes on a 5120-wide row (a 27B hidden state): per node, us to build the
+`--nodes` dependent steps on a 5120-wide row (a 27B hidden state): per step, us to build the
 chain in Python, us for mx.async_eval to queue it (MLX's encode) and us until the device is
-done (median of `--repeats`). Kinds: a cast, an add, MLX's RMSNorm, a reshape (no kernel),
+done (median of `--repeats`). A step is one node, except `cast_pair` (a cast up and one back)
+and `reshape` (there and back): two. Kinds: a cast pair, an add, MLX's RMSNorm, a reshape
+pair (no kernel),
 a compiled elementwise graph, a trivial custom kernel with 1 and with 5 template constants,
 and one-row products (MLX's gemv and kernels/rows_matmul.py) on a 512 x 512 weight.
 """
