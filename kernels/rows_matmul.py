@@ -14,9 +14,12 @@ order, then a warp butterfly; for a narrow product KS warps share the outputs, e
 every KS-th stretch of K, their sums added in a fixed order. Nothing in a row's arithmetic
 depends on R or on the other rows (R only changes how many outputs a warp takes and how
 many loads it batches; KS depends on w's shape alone).
+x may also be fp32 where w is half precision (what a zero-centred norm computes before its
+cast back): each element is rounded to w's dtype as it is loaded, as the cast would round it,
+so the norm's cast is one kernel fewer per product and the row's bits do not change.
 `available()` probes the kernel once per dtype: rows equal to one-row launches bit for bit
-and close to an fp32 reference; any error or disagreement disables it with a warning (the
-padded MLX product then runs).
+and close to an fp32 reference, and fp32 rows equal to the same rows cast first; any error or
+disagreement disables it with a warning (the padded MLX product then runs).
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ ACCUMULATORS = """
     const int ks = warp % KS, first = ks * 32 + lane, stride = 32 * KS;
     const long long n0 = ((long long)blockIdx.x * (WARPS / KS) + warp / KS) * NW;
     const uint4* wv = reinterpret_cast<const uint4*>(w);
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -136,8 +138,32 @@ REDUCE = """
     }
 """
 
-# Template constants from the call: T (dtype), R (rows), NW (outputs per warp), KS (warps
-# per output), U (vectors a lane loads per output before using them).
+# x's VEC elements from element i as floats: x of w's dtype T as it is, fp32 x (X = float)
+# rounded to T first, as casting x to T would round it (row r's vector c is at (r KV + c) VEC).
+X_LOAD = """
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+template <typename T, typename X>
+__device__ __forceinline__ void load_x(const X* x, long long i, float* f) {
+  if constexpr (same_type<T, X>::value) {
+    qwen38_dattn::Vec<T>::to_float(*reinterpret_cast<const uint4*>(x + i), f);
+  } else {
+    const float4* v = reinterpret_cast<const float4*>(x + i);
+#pragma unroll
+    for (int q = 0; q < qwen38_dattn::Vec<T>::N / 4; ++q) {
+      const float4 u = v[q];
+      f[4 * q] = static_cast<float>(static_cast<T>(u.x));
+      f[4 * q + 1] = static_cast<float>(static_cast<T>(u.y));
+      f[4 * q + 2] = static_cast<float>(static_cast<T>(u.z));
+      f[4 * q + 3] = static_cast<float>(static_cast<T>(u.w));
+    }
+  }
+}
+"""
+
+# Template constants from the call: T (w's dtype), X (x's: T or float), R (rows), NW (outputs
+# per warp), KS (warps per output), U (vectors a lane loads per output before using them).
 _PRODUCT = (
     """
     using namespace qwen38_dattn;
@@ -158,7 +184,7 @@ _PRODUCT = (
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             float xf[VEC];
-            Vec<T>::to_float(xv[(long long)r * KV + c], xf);
+            load_x<T, X>(x, ((long long)r * KV + c) * VEC, xf);
 #pragma unroll
             for (int j = 0; j < NW; ++j)
 #pragma unroll
@@ -181,7 +207,7 @@ def _kernel(staged_bytes: int = 0):
         input_names=["x", "w"],
         output_names=["y"],
         source=source.replace("__THREADS__", str(THREADS)),
-        header=VECTORS,
+        header=VECTORS + X_LOAD,
         shared_memory=staged_bytes,
     )
 
@@ -220,10 +246,12 @@ def _shape(rows: int) -> tuple[int, int]:
 
 
 def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
-    """x [R, K] @ w[N, K].T -> [R, N] in x's dtype (fp32 accumulation), R >= 1, every row
-    computed as a one-row call computes it. x and w share a dtype; K % (16 bytes) == 0."""
+    """x [R, K] @ w[N, K].T -> [R, N] in w's dtype (fp32 accumulation), R >= 1, every row
+    computed as a one-row call computes it. x of w's dtype, or fp32 for a half-precision w
+    (rounded to w's dtype as it is read); K % (16 bytes of w) == 0."""
     n = w.shape[0]
-    return launch_in_parts(lambda rows: _launch(rows, n), x, [w], n, [("T", x.dtype)])
+    template = [("T", w.dtype), ("X", x.dtype)]
+    return launch_in_parts(lambda rows: _launch(rows, n), x, [w], n, template, w.dtype)
 
 
 def _launch(rows: int, n: int) -> tuple:
@@ -235,10 +263,12 @@ def _launch(rows: int, n: int) -> tuple:
     return _kernel(), [*shape, ("U", loads)]
 
 
-def launch_in_parts(launch, x: mx.array, operands: list, n: int, template: list) -> mx.array:
+def launch_in_parts(
+    launch, x: mx.array, operands: list, n: int, template: list, dtype: mx.Dtype | None = None
+) -> mx.array:
     """A row-invariant product over x [R, ...]'s rows, at most ROWS_PER_LAUNCH per launch:
     `launch(rows)` -> (kernel, its row constants: R, NW, KS and the walk's), inputs
-    [part, *operands], `template` first, output [rows, n]."""
+    [part, *operands], `template` first, output [rows, n] of `dtype` (default x's)."""
     outs = []
     for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
         # one launch takes every row: no slice (a graph node the host encodes every step)
@@ -254,7 +284,7 @@ def launch_in_parts(launch, x: mx.array, operands: list, n: int, template: list)
                 grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),
                 output_shapes=[(rows, n)],
-                output_dtypes=[x.dtype],
+                output_dtypes=[dtype or x.dtype],
             )[0]
         )
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -287,12 +317,12 @@ def probe_rows(fn, x: mx.array, want: mx.array, slack: float, what: str) -> bool
 
 def fits(x: mx.array, w: mx.array) -> bool:
     """Whether rows_matmul takes these operands (shapes and dtypes; not the probe)."""
-    vec = 16 // x.dtype.size
+    vec = 16 // w.dtype.size
     return (
         x.ndim == 2
         and w.ndim == 2
-        and x.dtype == w.dtype
-        and x.dtype in DTYPES
+        and (x.dtype == w.dtype or (x.dtype == mx.float32 and w.dtype.size == 2))
+        and w.dtype in DTYPES
         and x.shape[1] == w.shape[1]
         and x.shape[1] % vec == 0
     )
@@ -317,4 +347,21 @@ def available(dtype: mx.Dtype) -> bool:
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
     w = (mx.random.normal((n, k), key=kw) / k**0.5).astype(dtype)
     want = x.astype(mx.float32) @ w.astype(mx.float32).T
-    return probe_rows(lambda part: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel")
+    if not probe_rows(lambda part: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel"):
+        return False
+    return dtype == mx.float32 or _wide_rows_agree(x, w)
+
+
+def _wide_rows_agree(x: mx.array, w: mx.array) -> bool:
+    """Whether fp32 rows that round to x give x's products bit for bit (warns if not)."""
+    # fp32 values between x's: each rounds to x's element (or a neighbour, as a cast would)
+    noise = mx.random.uniform(-0.4, 0.4, x.shape, key=mx.random.key(12))
+    wide = x.astype(mx.float32) * (1 + noise * 2.0**-8)
+    try:
+        same = mx.array_equal(rows_matmul(wide, w), rows_matmul(wide.astype(x.dtype), w)).item()
+    except Exception as e:  # noqa: BLE001 - any failure means: the fallback runs
+        warnings.warn(f"rows matmul kernel unavailable for fp32 rows ({e})", stacklevel=3)
+        return False
+    if not same:
+        warnings.warn("rows matmul kernel rounds fp32 rows unlike a cast", stacklevel=3)
+    return same

@@ -259,10 +259,15 @@ def exact_rows(net: nn.Module | None = None, dtype: mx.Dtype | None = None) -> i
 def project(linear: nn.Module, x: mx.array) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
     where `prepare` chose it, a quantized one as `quantized_plan` decided, else fewer than
-    pad_rows() rows padded; on the CPU each row of a step alone (module docstring)."""
+    pad_rows() rows padded; on the CPU each row of a step alone (module docstring).
+
+    An fp32 x for a half-precision linear (a norm's rows before their cast back:
+    RMSNorm.for_product) is rounded to the linear's dtype first, as a cast would (the kernel
+    does it as it loads x: one launch fewer)."""
     y = _kernel_product(linear, x)
     if y is not None:
         return y
+    x = _narrowed(linear, x)
     pad = 1 if _UNPADDED.get() else _PLAN.get()[0]
     mode, keys = _PLAN.get()[3]
     if pad > 1 and mode and x.shape[0] <= STEP_MAX_ROWS and _linear_key(linear) in keys:
@@ -292,7 +297,7 @@ def _kernel_product(linear, x: mx.array) -> mx.array | None:
     """linear(x) through kernels/rows_matmul.py where this forward's plan runs it and it
     takes these operands (a dense weight, a step's rows of the kernel's dtype), else None."""
     kernel_for = _PLAN.get()[1]
-    if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype != kernel_for:
+    if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
         return None
     weight, bias = _dense_weight(linear)
     # a step's 2-D rows go in and come out as they are (a reshape is a node to encode too)
@@ -304,6 +309,20 @@ def _kernel_product(linear, x: mx.array) -> mx.array | None:
     if x.ndim != 2:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+def _narrowed(linear, x: mx.array) -> mx.array:
+    """x rounded to the half-precision dtype `linear` computes in (its weight's, a quantized
+    one's scales'), where x is fp32; else x."""
+    if x.dtype != mx.float32:
+        return x
+    owner = getattr(linear, "__self__", linear)  # an embedding's as_linear: the embedding
+    held = owner.get("scales") if isinstance(owner, nn.Module) and "scales" in owner else None
+    if held is None:
+        held = owner.get("weight") if isinstance(owner, nn.Module) and "weight" in owner else None
+    if held is None or held.dtype not in (mx.float16, mx.bfloat16):
+        return x
+    return x.astype(held.dtype)
 
 
 def _row_by_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:

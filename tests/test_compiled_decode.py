@@ -155,3 +155,117 @@ def test_flash_next_verify_rows_take_the_compiled_step(tmp_path, monkeypatch):
     assert compiled_methods(net.model.hyper_connection_mixer) == {"read"}
     monkeypatch.setattr(Qwen4ExpBlock, "compile_decode", False)
     np.testing.assert_array_equal(rows, verify())
+
+
+def zero_centred_norms(net) -> list:
+    from qwen38_backend.models.layers import RMSNorm
+
+    return [
+        m
+        for name, m in net.named_modules()
+        if isinstance(m, RMSNorm) and m.zero_centered and not name.startswith("mtp")
+    ]  # the MTP head keeps its tensors' layout (fuse_projections)
+
+
+def test_folded_norms_and_a_weight_set_after(tmp_path, op_by_op):
+    """After loading, a zero-centred norm holds 1 + w (fp32) as its parameter (a compiled step
+    on a GPU would otherwise derive it every token: test_gpu counts the nodes); a weight set
+    after that is the newer and reaches the compiled step, as the op-by-op one."""
+    net = tiny_qwen3_5(tmp_path)
+    ids = prompt(20, net.config.vocab_size, seed=4)
+    norms = zero_centred_norms(net)
+    assert norms and all("weight" not in m and m.scale() is m.folded for m in norms)
+    folded = decode_logits(net, ids, 4)
+    for norm in norms:
+        norm.weight = norm.folded - 0.75
+    changed = decode_logits(net, ids, 4)
+    assert np.abs(changed - folded).max() > 1e-3
+    op_by_op()
+    np.testing.assert_allclose(changed, decode_logits(net, ids, 4), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_folded_norm_is_exact(dtype):
+    """fuse() changes no bit of a zero-centred norm; a weight set after it is seen."""
+    from qwen38_backend.models.layers import RMSNorm
+
+    norm = RMSNorm(64, 1e-6, zero_centered=True)
+    norm.weight = mx.random.normal((64,), key=mx.random.key(1)).astype(dtype)
+    x = mx.random.normal((3, 64), key=mx.random.key(2)).astype(dtype)
+    before = norm(x)
+    norm.fuse()
+    assert "weight" not in norm and norm.folded.dtype == mx.float32
+    after = norm(x)
+    assert after.dtype == dtype
+    assert mx.array_equal(before, after).item()
+    norm.weight = mx.zeros((64,), dtype=dtype)
+    plain = mx.fast.rms_norm(x.astype(mx.float32), None, 1e-6).astype(dtype)
+    assert mx.array_equal(norm(x), plain).item()
+
+
+@pytest.mark.parametrize("kind", ["linear", "quantized", "embedding"])
+def test_product_of_fp32_rows_rounds_them_first(kind):
+    """rows.project of a norm's fp32 rows (RMSNorm.for_product) into a half-precision linear
+    equals the product of the rows cast to its dtype, bit for bit (a plain fp32 product
+    would not: HF's linear sees the cast rows)."""
+    import mlx.nn as nn
+
+    from qwen38_backend.models.layers import RMSNorm
+    from qwen38_backend.rows import project
+
+    if kind == "embedding":
+        table = nn.Embedding(96, 64)
+        table.set_dtype(mx.bfloat16)
+        linear = table.as_linear
+    else:
+        linear = nn.Linear(64, 96)
+        linear.set_dtype(mx.bfloat16)
+        if kind == "quantized":
+            linear = nn.QuantizedLinear.from_linear(linear, group_size=32, bits=4)
+    norm = RMSNorm(64, 1e-6, zero_centered=True)
+    norm.weight = mx.random.normal((64,), key=mx.random.key(3)) * 0.1
+    norm.fuse()
+    x = mx.random.normal((2, 64), key=mx.random.key(4)).astype(mx.bfloat16)
+    wide = norm.for_product(x)
+    assert wide.dtype == mx.float32
+    got = project(linear, wide)
+    assert got.dtype == mx.bfloat16
+    assert mx.array_equal(got, project(linear, norm(x))).item()
+    assert not mx.array_equal(got, linear(wide).astype(mx.bfloat16)).item()
+
+
+def test_residual_step_sums_once_per_consumer():
+    """residual_step's two spellings of h + out are not merged by compile (each fuses into
+    its consumer: one kernel fewer than a shared sum) and give the plain form's bits."""
+    from qwen38_backend.models.layers import RMSNorm, residual_step
+
+    norm = RMSNorm(64, 1e-6, zero_centered=True)
+    norm.weight = mx.random.normal((64,), key=mx.random.key(5)) * 0.1
+    norm.fuse()
+    w = mx.random.normal((64, 64), key=mx.random.key(6)).astype(mx.bfloat16) * 0.1
+
+    def mlp(x):
+        return x.astype(mx.bfloat16) @ w
+
+    def plain(h, out):
+        h = h + out
+        return h + mlp(norm(h))
+
+    h, out = (mx.random.normal((1, 64), key=mx.random.key(k)).astype(mx.bfloat16) for k in (7, 8))
+    mx.eval(h, out, w, norm.parameters())  # the graphs below are the step's alone
+    fused = mx.compile(lambda a, b: residual_step(a, b, norm, mlp))
+    assert mx.array_equal(fused(h, out), mx.compile(plain)(h, out)).item()
+
+    def nodes(fn) -> list[str]:
+        import re
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "g.dot"
+            mx.export_to_dot(str(path), mx.compile(fn)(h, out))
+            return re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', path.read_text())
+
+    before, after = nodes(plain), nodes(lambda a, b: residual_step(a, b, norm, mlp))
+    assert before.count("Add") == 2 and "Add" not in after  # the shared sum, the last add
+    assert len(after) == len(before) - 1

@@ -436,6 +436,75 @@ def test_rows_matmul_rows_equal_one_row_calls(dtype):
         assert (err <= 0).all().item(), (n, k)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_rows_matmul_rounds_fp32_rows_as_a_cast(dtype):
+    """fp32 rows (a norm's before its cast back, RMSNorm.for_product) give the products of
+    the rows cast to w's dtype bit for bit, at every row count, halfway values included."""
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    assert kernel.available(dtype)
+    for n, k in ((17408, 5120), (1003, 264)):
+        kx, kw = mx.random.split(mx.random.key(n + 1))
+        narrow = (3 * mx.random.normal((16, k), key=kx)).astype(dtype)
+        up = (narrow.view(mx.uint16) + 1).view(dtype)  # the next value of dtype (same sign)
+        halfway = (narrow.astype(mx.float32) + up.astype(mx.float32)) / 2  # ties
+        between = narrow.astype(mx.float32) * (1 + 2.0**-12)
+        w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(dtype)
+        for wide in (halfway, between, mx.concatenate([halfway[:8], between[8:]])):
+            for rows in (1, 2, 5, 9, 16):
+                got = kernel.rows_matmul(wide[:rows], w)
+                assert got.dtype == dtype
+                want = kernel.rows_matmul(wide[:rows].astype(dtype), w)
+                assert mx.array_equal(got, want).item(), (n, k, rows)
+
+
+def test_step_products_take_the_norms_fp32_rows(tmp_path, monkeypatch):
+    """A bf16 decode step hands the zero-centred norms' fp32 rows to the row-invariant
+    products (no cast kernel between them), and its graph has no per-token 1 + w: fewer nodes
+    than the same step with every norm's scale derived from its weight (one per norm of the
+    compiled pieces)."""
+    import re
+
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    import qwen38_backend
+    from qwen38_backend.models.layers import RMSNorm
+    from qwen38_backend.testing import make_tiny_weights
+
+    model = qwen38_backend.load(
+        str(make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")), dtype="bfloat16"
+    )
+    state = model.new_state()
+    mx.eval(model.forward([5, 6, 7, 8], state, last_only=True))
+    state.save_point()  # each step below goes back to it
+    seen = []  # x's dtype per product as the first step traces its compiled pieces
+    run = kernel.rows_matmul
+    monkeypatch.setattr(kernel, "rows_matmul", lambda x, w: seen.append(x.dtype) or run(x, w))
+
+    def step_nodes() -> int:
+        logits = model.forward([9], state, last_only=True)
+        path = tmp_path / "step.dot"
+        mx.export_to_dot(str(path), logits)
+        mx.eval(logits)
+        state.truncate(4)
+        return len(re.findall(r"shape=rectangle", path.read_text()))
+
+    step_nodes()  # traces the compiled pieces
+    folded = step_nodes()
+    cfg = model.net.config
+    layers, attention = cfg.num_hidden_layers, cfg.layer_types.count("full_attention")
+    assert seen.count(mx.float32) >= 2 * layers  # each block's two norms feed products
+    norms = [
+        m
+        for name, m in model.net.named_modules()
+        if isinstance(m, RMSNorm) and m.zero_centered and "folded" in m
+    ]
+    for norm in norms:
+        norm.weight = norm.folded - 1.0
+    step_nodes()
+    assert step_nodes() - folded >= 2 * layers + 2 * attention
+
+
 def test_steps_take_the_rows_kernel(gpu_models):
     """A bf16 forward on CUDA chooses the row-invariant kernel (its probe passed), so the
     verify tests below run it rather than padded products."""

@@ -251,10 +251,12 @@ class GatedDeltaNet(nn.Module):
         kernel (where it passed its probe) runs the rows one after another in one launch, the
         same code for any T; elsewhere the one-token core runs per row."""
         spec = self._core_spec()
-        weights = (self.conv1d.weight[:, :, 0].astype(x.dtype), self.A_log, self.dt_bias)
+        # x may be a norm's fp32 rows (RMSNorm.for_product): the products' dtype is the step's
         qkv, z, b, a = self._project(x)
+        dtype = qkv.dtype
+        weights = (self.conv1d.weight[:, :, 0].astype(dtype), self.A_log, self.dt_bias)
         T = x.shape[0]
-        if getattr(self, "_kernel_for", "") == str(x.dtype):
+        if getattr(self, "_kernel_for", "") == str(dtype):
             o, last, states = _kernel_module().gdn_decode_rows(
                 qkv, z, b, a, conv, *weights, recurrent, self.norm.weight, spec=spec
             )

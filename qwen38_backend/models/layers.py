@@ -38,15 +38,35 @@ class RMSNorm(nn.Module):
         self._scale = _Derived()
 
     def __call__(self, x: mx.array) -> mx.array:
+        y = self.for_product(x)
+        return y if y.dtype == x.dtype else y.astype(x.dtype)
+
+    def for_product(self, x: mx.array) -> mx.array:
+        """The normalised rows before the zero-centred form's cast back to x's dtype (fp32
+        for a half-precision x): for rows.project, which rounds them as that cast would,
+        inside the product's kernel (one launch fewer). The plain form returns x's dtype."""
         if not self.zero_centered:
             return mx.fast.rms_norm(x, self.weight, self.eps)
-        # 1 + w once per weight, not once per call (two kernels saved on every norm)
-        scale = self._scale.get(self.weight, lambda w: 1.0 + w.astype(mx.float32))
-        # a half-precision x with the fp32 scale is normalised in fp32 (output fp32), then
-        # cast back: three kernels on a GPU (MLX casts x up itself); one launch doing all
-        # three decoded slower on the H200 (results/h200/norm_kernel_*_4k.json)
-        y = mx.fast.rms_norm(x, scale, self.eps)
-        return y if y.dtype == x.dtype else y.astype(x.dtype)
+        # a half-precision x with the fp32 scale is normalised in fp32 (output fp32): MLX
+        # casts x up itself; one launch doing cast, norm and cast back decoded slower on the
+        # H200 (results/h200/norm_kernel_*_4k.json)
+        return mx.fast.rms_norm(x, self.scale(), self.eps)
+
+    def scale(self) -> mx.array:
+        """1 + w in fp32: the folded parameter once `fuse()` ran (a compiled step replays its
+        graph, and 1 + w inside it would be a kernel every token), else derived once per
+        weight (also where a weight was set again after `fuse()`: it is the newer)."""
+        if "weight" not in self:
+            return self.folded
+        return self._scale.get(self.weight, lambda w: 1.0 + w.astype(mx.float32))
+
+    def fuse(self) -> None:
+        """The zero-centred form's scale 1 + w as its parameter `folded` (after loading; the
+        weight goes, so nothing reads a stale one)."""
+        if self.zero_centered and "weight" in self:
+            self.folded = 1.0 + self.weight.astype(mx.float32)
+            mx.eval(self.folded)
+            del self["weight"]
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module:
@@ -304,12 +324,23 @@ class PreNormBlock(nn.Module):
         return attend_then(q, k, v, scale, lambda out: finish(h, out, *gate))
 
     def _attention_in(self, h: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
-        q, k, v, gate = self.self_attn.project_qkv(self.input_layernorm(h), offset)
+        x = self.input_layernorm.for_product(h)
+        q, k, v, gate = self.self_attn.project_qkv(x, offset)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attention_out(self, h: mx.array, out: mx.array, gate: mx.array | None = None):
-        h = h + self.self_attn.output(out, gate)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return residual_step(
+            h, self.self_attn.output(out, gate), self.post_attention_layernorm, self.mlp
+        )
+
+
+def residual_step(h: mx.array, out: mx.array, norm: RMSNorm, mlp: nn.Module) -> mx.array:
+    """(h + out) + mlp(norm(h + out)) inside a compiled step, with no kernel of its own for
+    the sum h + out: it is spelled in both orders, which compile does not merge into one shared
+    node (the bits are the same: addition commutes), so one copy fuses into the norm's cast up
+    and the other into the last add."""
+    y = mlp(norm.for_product(h + out))
+    return (out + h) + y
 
 
 @mx.compile

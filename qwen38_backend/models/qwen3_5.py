@@ -17,7 +17,7 @@ from ..rows import STEP_MAX_ROWS
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
-from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, rope_from_config
+from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, residual_step, rope_from_config
 
 # Norms that are zero-centred (1 + w). mlx-lm converted repos store them with +1 folded in.
 _ZC_NORM_SUFFIXES = (
@@ -82,9 +82,9 @@ class Qwen35Block(PreNormBlock):
         return decode_step(self, h, state)
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
-        out, *rows = self.linear_attn.step(self.input_layernorm(h), conv, recurrent)
-        h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), *rows
+        x = self.input_layernorm.for_product(h)
+        out, *rows = self.linear_attn.step(x, conv, recurrent)
+        return residual_step(h, out, self.post_attention_layernorm, self.mlp), *rows
 
 
 class Qwen35Body(nn.Module):
