@@ -30,6 +30,7 @@ import warnings
 
 import mlx.core as mx
 
+from .jit import cuda_kernel
 from .switch import kernel_switch
 
 THREADS = 256  # the partial kernel's block: 8 warps
@@ -53,9 +54,11 @@ MMA_STAGES = 3
 # splits 4.47 TB/s, 33 splits 3.61; at 131K 3.58 vs 2.91; at 32K 1.72 vs 1.67).
 MMA_BLOCKS = 64
 
-_HEADER = """
+# Device helpers, in three parts so that a kernel's source holds only the ones it uses (its
+# length is host time per launch: jit.py). VECTORS and ASYNC_COPIES serve kernels/rows_matmul.py
+# too.
+VECTORS = """
 namespace qwen38_dattn {
-
 // 16 bytes of T -> floats
 template <typename T> struct Vec;
 template <> struct Vec<float> {
@@ -87,7 +90,10 @@ template <> struct Vec<__half> {
     }
   }
 };
-
+}  // namespace qwen38_dattn
+"""
+ASYNC_COPIES = """
+namespace qwen38_dattn {
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(s), "l"(gmem) : "memory");
@@ -98,8 +104,15 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\\n" :: "n"(N) : "memory");
 }
-
+}  // namespace qwen38_dattn
+"""
+_NEG_INF = """
+namespace qwen38_dattn {
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+}  // namespace qwen38_dattn
+"""
+_ATTENTION_HELPERS = """
+namespace qwen38_dattn {
 
 // 16 bytes, or 16 zero bytes where !live (a tile's rows past the range)
 __device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool live) {
@@ -159,6 +172,7 @@ template <> struct Mma<__half> {
 
 }  // namespace qwen38_dattn
 """
+_HEADER = VECTORS + ASYNC_COPIES + _NEG_INF + _ATTENTION_HELPERS
 
 # Both partial launches: this block's split of its query row's keys, [start, end), and the
 # K/V views it reads them through.
@@ -636,7 +650,7 @@ def _smem_bytes(dtype: mx.Dtype, head_dim: int, group: int) -> int:
 
 @functools.cache
 def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="qwen38_decode_attention_partial",
         input_names=["q", "k", "v", "splits", "pages", "n_keys"],
         output_names=["o_part", "m_part", "l_part"],
@@ -649,7 +663,7 @@ def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
 
 @functools.cache
 def _partial_kernel_mma(dtype: mx.Dtype, head_dim: int, group: int):
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="qwen38_decode_attention_partial_mma",
         input_names=["q", "k", "v", "splits", "pages", "n_keys", "scale"],
         output_names=["o_part", "m_part", "l_part"],
@@ -688,12 +702,12 @@ def _scalar(value: float) -> mx.array:
 
 @functools.cache
 def _combine_kernel():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="qwen38_decode_attention_combine",
         input_names=["o_part", "m_part", "l_part", "splits"],
         output_names=["out"],
         source=_COMBINE,
-        header=_HEADER,
+        header=_NEG_INF,
     )
 
 

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from qwen38_backend.models.gated_delta import CoreSpec, gdn_core
 
+from .jit import cuda_kernel
 from .switch import kernel_switch
 
 THREADS = 256
@@ -164,7 +165,7 @@ def _kernel(spec: tuple):
         threads=THREADS,
         gate=_GATES[activation],
     )
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"qwen38_gdn_decode_{hk}_{hv}_{dk}_{dv}_{kw}_{activation}",
         input_names=["qkv", "hist", "conv_w", "z", "b", "a_in", "A_log", "dt_bias", "S", "norm_w"],
         output_names=["out", "hist_out", "S_out"],

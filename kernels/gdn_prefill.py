@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from qwen38_backend.models.gated_delta import scan_chunks, solve_chunks
 
+from .jit import cuda_kernel
 from .switch import kernel_switch
 
 THREADS = 256
@@ -191,7 +192,7 @@ _SOLVE = """
 @functools.cache
 def _scan_kernel(c: int, dk: int, dv: int):
     source = _SCAN.format(c=c, dk=dk, dv=dv, dvb=COLUMNS, threads=THREADS)
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"qwen38_gdn_chunk_scan_{c}_{dk}_{dv}",
         input_names=["u", "w", "q_dec", "qk", "k_tail", "decay", "S"],
         output_names=["o", "S_out"],
@@ -202,7 +203,7 @@ def _scan_kernel(c: int, dk: int, dv: int):
 @functools.cache
 def _solve_kernel(c: int, dk: int, dv: int):
     source = _SOLVE.format(c=c, dk=dk, dv=dv, threads=THREADS)
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"qwen38_gdn_chunk_solve_{c}_{dk}_{dv}",
         input_names=["k", "v", "beta", "gam"],
         output_names=["u", "w"],

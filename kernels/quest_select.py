@@ -22,6 +22,8 @@ import functools
 
 import mlx.core as mx
 
+from .jit import cuda_kernel
+
 THREADS = 256  # 8 warps: 8 pages per block
 
 _KEYS = """
@@ -75,7 +77,7 @@ _KEYS = """
 
 @functools.cache
 def _keys_kernel():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="qwen38_quest_page_keys",
         input_names=["q", "kmin", "kmax", "counts"],
         output_names=["keys"],

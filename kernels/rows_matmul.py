@@ -29,7 +29,8 @@ import warnings
 
 import mlx.core as mx
 
-from .decode_attention import _HEADER as VECTORS  # Vec<T>: 16 bytes of T -> floats
+from .decode_attention import ASYNC_COPIES, VECTORS  # Vec<T>; cp.async
+from .jit import cuda_kernel
 from .switch import kernel_switch
 
 THREADS = 256
@@ -202,12 +203,12 @@ def _kernel(staged_bytes: int = 0):
     """The product with the register walk, or (staged_bytes > 0) with the staged walk and
     that much shared memory for its copies."""
     source = _STAGED_SOURCE if staged_bytes else _SOURCE
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="qwen38_rows_matmul_staged" if staged_bytes else "qwen38_rows_matmul",
         input_names=["x", "w"],
         output_names=["y"],
         source=source.replace("__THREADS__", str(THREADS)),
-        header=VECTORS + X_LOAD,
+        header=VECTORS + (ASYNC_COPIES if staged_bytes else "") + X_LOAD,
         shared_memory=staged_bytes,
     )
 
