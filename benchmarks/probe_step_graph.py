@@ -43,6 +43,16 @@ def node_counts(outputs: list, keep: str | None = None) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+# Primitives MLX runs without a kernel of their own (views of their input's buffer).
+VIEWS = {"Reshape", "Split", "Transpose", "Squeeze", "Slice", "Broadcast", "ExpandDims"}
+VIEWS |= {"Flatten", "Unflatten", "AsStrided"}
+
+
+def kernel_count(counts: dict[str, int]) -> int:
+    """Nodes of `counts` that launch work (every primitive but the views)."""
+    return sum(n for name, n in counts.items() if name not in VIEWS)
+
+
 def state_arrays(state) -> list:
     """The arrays the step leaves in the state (what it writes)."""
     import mlx.core as mx
@@ -102,11 +112,12 @@ def main() -> None:
         "queue_ms": 1e3 * statistics.median(queues),
         "nodes": sum(counts.values()),
         "nodes_per_layer": sum(counts.values()) / args.layers,
+        "kernels": kernel_count(counts),
         "by_primitive": counts,
     }
     print(
         f"build {result['build_ms']:.2f} ms, queue {result['queue_ms']:.2f} ms, "
-        f"{result['nodes']} nodes",
+        f"{result['nodes']} nodes, {result['kernels']} of them kernels",
         file=sys.stderr,
     )
     write_json(result, args.out)
