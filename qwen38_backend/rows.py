@@ -317,9 +317,9 @@ def _narrowed(linear, x: mx.array) -> mx.array:
     if x.dtype != mx.float32:
         return x
     owner = getattr(linear, "__self__", linear)  # an embedding's as_linear: the embedding
-    held = owner.get("scales") if isinstance(owner, nn.Module) and "scales" in owner else None
-    if held is None:
-        held = owner.get("weight") if isinstance(owner, nn.Module) and "weight" in owner else None
+    if not isinstance(owner, nn.Module):
+        return x
+    held = owner.get("scales", owner.get("weight"))
     if held is None or held.dtype not in (mx.float16, mx.bfloat16):
         return x
     return x.astype(held.dtype)

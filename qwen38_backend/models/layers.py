@@ -28,7 +28,8 @@ class _Derived:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; `zero_centered` stores w and scales by (1 + w), with 1 + w kept in fp32."""
+    """RMSNorm; `zero_centered` stores w and scales by (1 + w), with 1 + w kept in fp32
+    (a parameter of its own once `fuse()` ran)."""
 
     def __init__(self, dims: int, eps: float, zero_centered: bool = False):
         super().__init__()
@@ -39,12 +40,14 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.for_product(x)
+        if not self.zero_centered:
+            return y
         return y if y.dtype == x.dtype else y.astype(x.dtype)
 
     def for_product(self, x: mx.array) -> mx.array:
         """The normalised rows before the zero-centred form's cast back to x's dtype (fp32
         for a half-precision x): for rows.project, which rounds them as that cast would,
-        inside the product's kernel (one launch fewer). The plain form returns x's dtype."""
+        inside the product's kernel (one launch fewer). The plain form is the norm itself."""
         if not self.zero_centered:
             return mx.fast.rms_norm(x, self.weight, self.eps)
         # a half-precision x with the fp32 scale is normalised in fp32 (output fp32): MLX
