@@ -295,15 +295,18 @@ def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
 
 def _kernel_product(linear, x: mx.array) -> mx.array | None:
     """linear(x) through kernels/rows_matmul.py where this forward's plan runs it and it
-    takes these operands (a dense weight, a step's rows of the kernel's dtype), else None."""
+    takes these operands (a dense weight of the kernel's dtype, a step's rows of that dtype
+    or fp32), else None."""
     kernel_for = _PLAN.get()[1]
     if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
         return None
     weight, bias = _dense_weight(linear)
+    if weight is None or weight.dtype != kernel_for:  # the dtype the kernel's probe passed
+        return None
     # a step's 2-D rows go in and come out as they are (a reshape is a node to encode too)
     flat = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     kernels = _kernel_module()
-    if weight is None or flat.shape[0] > STEP_MAX_ROWS or not kernels.fits(flat, weight):
+    if flat.shape[0] > STEP_MAX_ROWS or not kernels.fits(flat, weight):
         return None
     y = kernels.rows_matmul(flat, weight)
     if x.ndim != 2:
