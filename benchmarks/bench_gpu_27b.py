@@ -9,6 +9,10 @@ Reports prefill and decode tokens/s (medians), bytes a decoded token reads (weig
 that depth + Gated DeltaNet state), achieved bandwidth and its fraction of the bound.
 `--peer-fill synthetic` measures mlx-lm's decode at depth without its prefill (random K/V
 rows in its cache; this CPU, tiny dims, 2,048 tokens: 347 tok/s vs 341 after a real prefill).
+`--mlx-gemv-steps` also runs ours with a plain step's one-row products in MLX's own gemv
+(the row-invariant kernel off, nothing padded): what decode would reach if a verify's rows
+could match MLX's one-row order (they do not here, so speculative rounds would not be exact:
+a measurement, not a mode the engine offers).
 `--dims tiny --layers 4` smoke-tests the script on a CPU.
 """
 
@@ -207,6 +211,15 @@ def worker_ours(args) -> dict:
         from qwen38_backend.models.layers import PreNormBlock
 
         PreNormBlock.compile_decode = False
+    if args.mlx_gemv_steps:  # one-row products: MLX's gemv (module docstring)
+        import os
+
+        from qwen38_backend import rows
+
+        os.environ["QWEN38_ROWS_KERNEL"] = "off"
+        unpadded = rows.unpadded
+    else:
+        from contextlib import nullcontext as unpadded
     model, config, nbytes = random_model(
         args.dims, args.layers, args.dtype, bits=args.bits, group_size=args.group_size
     )
@@ -217,7 +230,8 @@ def worker_ours(args) -> dict:
     del warm
     for length in args.lengths:
         ids = prompt(length, config["text_config"]["vocab_size"])
-        pre, dec = prefill_then_decode(model, ids, args.runs, args.decode, args.chunk)
+        with unpadded():
+            pre, dec = prefill_then_decode(model, ids, args.runs, args.decode, args.chunk)
         result["lengths"][str(length)] = {
             "prefill_tok_s": _median(pre),
             "decode_tok_s": _median(dec),
@@ -327,6 +341,11 @@ def main() -> None:
         action="store_true",
         help="also run ours with the compiled decode step off (what it buys, same run)",
     )
+    ap.add_argument(
+        "--mlx-gemv-steps",
+        action="store_true",
+        help="also run ours with one-row step products in MLX's gemv (module docstring)",
+    )
     ap.add_argument("--worker", choices=["ours", "mlx-lm"], default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -337,9 +356,9 @@ def main() -> None:
         print(json.dumps(fn(args)))
         return
 
-    def spawn(which: str, lengths: list[int], runs: int, op_by_op: bool = False) -> dict:
+    def spawn(which: str, lengths: list[int], runs: int, variant: str = "") -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which]
-        cmd += ["--op-by-op"] if op_by_op else []
+        cmd += [f"--{variant}"] if variant else []
         for k in ("dims", "layers", "decode", "chunk", "dtype", "bits", "group_size", "peer_fill"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         cmd += ["--lengths", ",".join(map(str, lengths)), "--runs", str(runs)]
@@ -362,7 +381,9 @@ def main() -> None:
     }
     result["ours"] = spawn("ours", args.lengths, args.runs)
     if args.op_by_op:
-        result["ours_op_by_op"] = spawn("ours", args.lengths, args.runs, op_by_op=True)
+        result["ours_op_by_op"] = spawn("ours", args.lengths, args.runs, "op-by-op")
+    if args.mlx_gemv_steps:
+        result["ours_mlx_gemv_steps"] = spawn("ours", args.lengths, args.runs, "mlx-gemv-steps")
     if args.peer == "mlx-lm":
         peer_lengths = [
             int(x) for x in (args.peer_lengths or ",".join(map(str, args.lengths))).split(",")
@@ -381,7 +402,7 @@ def main() -> None:
             itemsize,
             result["ours"].get("embed_bytes"),
         )
-        for name in ("ours", "ours_op_by_op", "mlx_lm"):
+        for name in ("ours", "ours_op_by_op", "ours_mlx_gemv_steps", "mlx_lm"):
             entry = result.get(name, {}).get("lengths", {}).get(key)
             if entry:
                 rate = entry["decode_tok_s"]["median"]
