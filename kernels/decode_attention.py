@@ -685,13 +685,16 @@ def _mma_smem_bytes(head_dim: int, group: int) -> int:
 def uses_tensor_cores(q: mx.array, k: mx.array) -> bool:
     """Whether decode_attention runs the tensor-core kernel for these inputs (else the
     fp32-FMA one): q and K/V in one half-precision dtype, at most 8 query heads per KV head."""
-    group = q.shape[1] // k.shape[1]
+    return _tensor_cores(q.shape[1] // k.shape[1], k.shape[3], q.dtype, k.dtype, TENSOR_CORES)
+
+
+def _tensor_cores(group: int, d: int, q_dtype: mx.Dtype, k_dtype: mx.Dtype, on: bool) -> bool:
     return (
-        TENSOR_CORES
-        and q.dtype == k.dtype
-        and k.dtype in (mx.float16, mx.bfloat16)
+        on
+        and q_dtype == k_dtype
+        and k_dtype in (mx.float16, mx.bfloat16)
         and group <= 8
-        and k.shape[3] in HEAD_DIMS
+        and d in HEAD_DIMS
     )
 
 
@@ -721,31 +724,38 @@ def n_splits(length: int, kv_heads: int, tensor_cores: bool = False) -> int:
 
 def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
     """ValueError naming what the kernel cannot take (before any work)."""
-    if k.ndim != 4 or k.shape[0] != 1:
-        raise ValueError(f"decode attention: k must be [1, Hkv, L, D], got {k.shape}")
-    if q.ndim != 4 or q.shape[0] != 1 or not 1 <= q.shape[2] <= max(k.shape[2], 1):
-        raise ValueError(f"decode attention: q must be [1, Hq, T, D] (T <= L), got {q.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"decode attention: v {v.shape} must have k's shape {k.shape}")
-    _, hq, _, d = q.shape
-    _, hkv, length, dk = k.shape
+    qs, ks = q.shape, k.shape  # one read each: a step checks each attention call twice
+    if len(ks) != 4 or ks[0] != 1:
+        raise ValueError(f"decode attention: k must be [1, Hkv, L, D], got {ks}")
+    if len(qs) != 4 or qs[0] != 1 or not 1 <= qs[2] <= max(ks[2], 1):
+        raise ValueError(f"decode attention: q must be [1, Hq, T, D] (T <= L), got {qs}")
+    if v.shape != ks:
+        raise ValueError(f"decode attention: v {v.shape} must have k's shape {ks}")
+    if ks[2] < 1:
+        raise ValueError("decode attention: no keys (L = 0)")
+    # the rest once per signature (these heads, widths and dtypes come step after step)
+    _check_heads(qs[1], ks[1], qs[3], ks[3], q.dtype, k.dtype, v.dtype, TENSOR_CORES)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_heads(
+    hq: int, hkv: int, d: int, dk: int, q_dtype, k_dtype, v_dtype, tensor_cores: bool
+) -> None:
     if dk != d:
         raise ValueError(f"decode attention: q head_dim {d} != k head_dim {dk}")
-    if length < 1:
-        raise ValueError("decode attention: no keys (L = 0)")
     if hkv < 1 or hq % hkv:
         raise ValueError(f"decode attention: {hq} query heads not a multiple of {hkv} KV heads")
-    if k.dtype != v.dtype or k.dtype not in DTYPES or q.dtype not in DTYPES:
+    if k_dtype != v_dtype or k_dtype not in DTYPES or q_dtype not in DTYPES:
         raise ValueError(
-            f"decode attention: dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: K and V must "
+            f"decode attention: dtypes q {q_dtype}, k {k_dtype}, v {v_dtype}: K and V must "
             "share one of float16, bfloat16, float32"
         )
     group = hq // hkv
-    if uses_tensor_cores(q, k):
+    if _tensor_cores(group, d, q_dtype, k_dtype, tensor_cores):
         return
-    lanes = _lanes(k.dtype, d)  # the fp32-FMA form's limits
+    lanes = _lanes(k_dtype, d)  # the fp32-FMA form's limits
     if d not in HEAD_DIMS or lanes < 8:
-        raise ValueError(f"decode attention: head_dim {d} with {k.dtype} is not supported")
+        raise ValueError(f"decode attention: head_dim {d} with {k_dtype} is not supported")
     if 1 << (group - 1).bit_length() > lanes or group * d // lanes > MAX_Q_REGISTERS:
         raise ValueError(f"decode attention: {group} query heads per KV head is too many")
 
