@@ -220,6 +220,10 @@ def worker_ours(args) -> dict:
         unpadded = rows.unpadded
     else:
         from contextlib import nullcontext as unpadded
+    if args.rows_chunk:
+        from qwen38_backend.kernels import rows_matmul
+
+        rows_matmul.CHUNK_BYTES = args.rows_chunk
     model, config, nbytes = random_model(
         args.dims, args.layers, args.dtype, bits=args.bits, group_size=args.group_size
     )
@@ -346,6 +350,13 @@ def main() -> None:
         action="store_true",
         help="also run ours with one-row step products in MLX's gemv (module docstring)",
     )
+    ap.add_argument(
+        "--rows-chunk",
+        type=int,
+        default=0,
+        choices=[0, 8, 16],
+        help="the row-invariant kernel's chunk in bytes (kernels/rows_matmul.py; 0: its default)",
+    )
     ap.add_argument("--worker", choices=["ours", "mlx-lm"], default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -359,7 +370,8 @@ def main() -> None:
     def spawn(which: str, lengths: list[int], runs: int, variant: str = "") -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which]
         cmd += [f"--{variant}"] if variant else []
-        for k in ("dims", "layers", "decode", "chunk", "dtype", "bits", "group_size", "peer_fill"):
+        names = ("dims", "layers", "decode", "chunk", "dtype", "bits", "group_size", "peer_fill")
+        for k in (*names, "rows_chunk"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         cmd += ["--lengths", ",".join(map(str, lengths)), "--runs", str(runs)]
         return run_json_worker(cmd)
@@ -378,6 +390,7 @@ def main() -> None:
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "bound_bytes_s": args.bound_gbps * 1e9,
+        "rows_chunk": args.rows_chunk or None,
     }
     result["ours"] = spawn("ours", args.lengths, args.runs)
     if args.op_by_op:

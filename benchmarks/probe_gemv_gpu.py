@@ -8,6 +8,8 @@ the LM head), one row each, queued in layer order and evaluated at once, as a st
 them (median of `--repeats`): MLX's product (`x @ w.T`), kernels/rows_matmul.py as a plain
 step runs them and a verify's `--rows` rows, and a read-only kernel that touches every
 weight byte once. GB/s = weight bytes / time (a k-row product reads the weights once).
+`--orders`: the kernel's orders of sums (its chunk and split-K) and where it reads x, at
+every row count, rows as a step hands them (fp32 from a norm where K is the hidden size).
 Session 20 also timed the kernel summing in MLX's one-row order (commit 4361012,
 results/h200/gemv_orders_64l.json).
 """
@@ -15,6 +17,7 @@ results/h200/gemv_orders_64l.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -41,11 +44,6 @@ _READ = """
 def one_row_variants(rk, mats: list, xs: dict, record) -> None:
     """One-row launches with the kernel's template constants changed (each a kernel of its
     own: the constants are template arguments)."""
-
-    def run():
-        return [rk.rows_matmul(xs[w.shape[1]], w) for w in mats]
-
-    saved = (rk.SPLIT_K, rk.SPLIT_K_MAX_N, rk.LOADS, dict(rk.OUTPUTS_PER_WARP))
     variants = {
         "split_k_off": {"SPLIT_K_MAX_N": 0},
         "split_k_2": {"SPLIT_K": 2},
@@ -55,11 +53,50 @@ def one_row_variants(rk, mats: list, xs: dict, record) -> None:
         "loads_2": {"LOADS": 2},
         "outputs_2": {"OUTPUTS_PER_WARP": {**rk.OUTPUTS_PER_WARP, 1: 2}},
     }
+
+    def run():
+        return [rk.rows_matmul(xs[w.shape[1]], w) for w in mats]
+
     for label, changes in variants.items():
-        for name, value in changes.items():
-            setattr(rk, name, value)
-        record(f"kernel_1row_{label}", run)
-        rk.SPLIT_K, rk.SPLIT_K_MAX_N, rk.LOADS, rk.OUTPUTS_PER_WARP = saved
+        with constants(rk, changes):
+            record(f"kernel_1row_{label}", run)
+
+
+# Orders of a row's sums (a lane's chunk of 16 or 8 bytes, as MLX's gemv loads; split-K on
+# for narrow products or off) and where lanes read x (X_SHARED), each timed at every --rows.
+ORDERS = {
+    "chunk16_split": {"CHUNK_BYTES": 16},
+    "chunk16_split_xl1": {"CHUNK_BYTES": 16, "X_SHARED": "none"},
+    "chunk16_split_xall": {"CHUNK_BYTES": 16, "X_SHARED": "all"},
+    "chunk16_nosplit": {"CHUNK_BYTES": 16, "SPLIT_K_MAX_N": 0},
+    "chunk8_split": {"CHUNK_BYTES": 8},
+    "chunk8_split_xall": {"CHUNK_BYTES": 8, "X_SHARED": "all"},
+    "chunk8_nosplit": {"CHUNK_BYTES": 8, "SPLIT_K_MAX_N": 0},
+}
+
+
+def order_grid(rk, mats: list, xs_rows: dict, rows: list, record) -> None:
+    """Every ORDERS entry at every row count (rows as `xs_rows` holds them by (K, rows))."""
+    for label, changes in ORDERS.items():
+        with constants(rk, changes):
+            for r in rows:
+                record(
+                    f"{label}_{r}rows",
+                    lambda r=r: [rk.rows_matmul(xs_rows[w.shape[1], r], w) for w in mats],
+                )
+
+
+@contextlib.contextmanager
+def constants(module, changes: dict):
+    """The module's constants changed for the block, restored after."""
+    saved = {name: getattr(module, name) for name in changes}
+    for name, value in changes.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def main() -> None:
@@ -75,6 +112,12 @@ def main() -> None:
         action="store_true",
         help="also one-row launches with other split-K, loads and outputs per warp",
     )
+    ap.add_argument(
+        "--orders",
+        action="store_true",
+        help="also every order of sums (chunk 16 / 8 bytes, split-K on / off) and x's place at"
+        " every --rows",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -82,7 +125,7 @@ def main() -> None:
     from mlx.utils import tree_flatten
     from qwen38_backend.kernels import rows_matmul as rk
 
-    model, _, _ = random_model(args.dims, args.layers, "bfloat16")
+    model, config, _ = random_model(args.dims, args.layers, "bfloat16")
     # every product of a step, LM head included (untied); the embedding is a gather
     mats = [
         w
@@ -122,6 +165,12 @@ def main() -> None:
         )
     if args.variants:
         one_row_variants(rk, mats, xs, record)
+    if args.orders:  # as a step: fp32 rows from a norm (K = hidden), the others bf16
+        hidden = config["text_config"]["hidden_size"]
+        step = {(k, r): x.astype(mx.float32) if k == hidden else x for (k, r), x in xs_rows.items()}
+        mx.eval(list(step.values()))
+        result["fp32_rows_width"] = hidden
+        order_grid(rk, mats, step, args.rows, record)
     read = mx.fast.cuda_kernel(
         name="qwen38_probe_read", input_names=["w"], output_names=["out"], source=_READ
     )

@@ -16,7 +16,10 @@ depends on R or on the other rows (R only changes how many outputs a warp takes 
 many loads it batches; KS depends on w's shape alone).
 x may also be fp32 where w is half precision (what a zero-centred norm computes before its
 cast back): each element is rounded to w's dtype as it is loaded, as the cast would round it,
-so the norm's cast is one kernel fewer per product and the row's bits do not change.
+so the norm's cast is one kernel fewer per product and the row's bits do not change. Such
+rows are copied once per block into shared memory, rounded (X_SHARED): every warp reading
+them through L1 in fp32 cost a 64-layer 27B step's products 1.2 ms at one row and 3.7 ms at
+three (benchmarks/probe_gemv_gpu.py --orders, results/h200/gemv_orders_xshared_64l_s24.json).
 `available()` probes the kernel once per dtype: rows equal to one-row launches bit for bit
 and close to an fp32 reference, and fp32 rows equal to the same rows cast first; any error or
 disagreement disables it with a warning (the padded MLX product then runs).
@@ -35,12 +38,23 @@ from .switch import kernel_switch
 
 THREADS = 256
 ROWS_PER_LAUNCH = 8
-LOADS = 4  # 16-byte weight vectors a lane has in flight (outputs per warp x unroll)
+LOADS = 4  # 16 bytes of weights a lane has in flight, this many times (outputs x unroll)
+# Bytes of a weight row a lane loads at once (its chunk): 16, or 8 as MLX's gemv does. A
+# function of w's dtype only, so a row's order of sums never depends on the row count. On
+# the H200 8 was no faster at one row (15.5-16.9 vs 15.6-16.8 ms a 64-layer step's products,
+# two machines) and slower at 2-5 rows (gemv_orders_xshared_64l_s24.json; 4K decode 66.6 vs
+# 66.0 tok/s, within noise: decode_4k_s24_*.json).
+CHUNK_BYTES = 16
+# x's rows are copied once per block into shared memory (as w's dtype) when they are fp32
+# ("wide"), always ("all") or never ("none": read through L1), where a launch's rows take at
+# most X_SHARED_MAX bytes there (fp32 rows wider than that are cast first).
+X_SHARED = "wide"
+X_SHARED_MAX = 64 * 1024
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 # The kernel's set-up, sums and reduction, kept apart from its per-vector step: the warp's
 # outputs (NW from n0, of N = w's rows) and fp32 sums per (row, output), and the lanes' walk
-# over 16-byte weight vectors w[n][c] (`wv`, `KV` of them per output) in ascending order, U
+# over weight chunks w[n][c] (`wv`, `KV` of them per output) in ascending order, U
 # loads in flight before their `accumulate(wr, c)`, then a warp butterfly per sum and, where
 # KS warps split the vectors of the same outputs (warp ks of them walks ks * 32 + lane,
 # then every 32 * KS), their sums added in ks order, into y.
@@ -49,7 +63,7 @@ ACCUMULATORS = """
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = warp % KS, first = ks * 32 + lane, stride = 32 * KS;
     const long long n0 = ((long long)blockIdx.x * (WARPS / KS) + warp / KS) * NW;
-    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    const W* wv = reinterpret_cast<const W*>(w);
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -57,21 +71,21 @@ ACCUMULATORS = """
         for (int j = 0; j < NW; ++j) acc[r][j] = 0.0f;
 """
 WALK = """
-    auto load = [&](uint4 (&wr)[NW], int c) {
+    auto load = [&](W (&wr)[NW], int c) {
 #pragma unroll
         for (int j = 0; j < NW; ++j)
-            wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : make_uint4(0u, 0u, 0u, 0u);
+            wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : W{};
     };
     int c = first;
     for (; c + stride * (U - 1) < KV; c += stride * U) {
-        uint4 wr[U][NW];
+        W wr[U][NW];
 #pragma unroll
         for (int u = 0; u < U; ++u) load(wr[u], c + stride * u);
 #pragma unroll
         for (int u = 0; u < U; ++u) accumulate(wr[u], c + stride * u);
     }
     for (; c < KV; c += stride) {
-        uint4 wr[1][NW];
+        W wr[1][NW];
         load(wr[0], c);
         accumulate(wr[0], c);
     }
@@ -80,16 +94,16 @@ WALK = """
 # steps in flight per lane, each lane reading back only its own copies): the bytes in
 # flight no longer cost registers, which a step of several rows needs for its sums.
 STAGED_WALK = """
-    extern __shared__ __align__(16) unsigned char smem_dyn[];
-    uint4* slots = reinterpret_cast<uint4*>(smem_dyn) + warp * (S * NW * 32);
+    W* slots = reinterpret_cast<W*>(smem_dyn) + warp * (S * NW * 32);
     const int steps = (KV - first + stride - 1) / stride;  // vectors first + stride i < KV
+    auto copy_chunk = [](W* to, const W* from) { qwen38_rows::copy_async<sizeof(W)>(to, from); };
     auto issue = [&](int i) {
         if (i < steps) {
-            uint4* slot = slots + (i % S) * NW * 32;
+            W* slot = slots + (i % S) * NW * 32;
             const int c = first + stride * i;
 #pragma unroll
             for (int j = 0; j < NW; ++j)
-                if (n0 + j < N) cp_async16(slot + j * 32 + lane, wv + (n0 + j) * KV + c);
+                if (n0 + j < N) copy_chunk(slot + j * 32 + lane, wv + (n0 + j) * KV + c);
         }
         cp_async_commit();                          // empty past the end: the count stays
     };
@@ -99,11 +113,11 @@ STAGED_WALK = """
         cp_async_wait<S - 2>();                     // step i's copies have landed
         // refill the slot read in the step before (its values are in registers by now)
         issue(i + S - 1);
-        const uint4* slot = slots + (i % S) * NW * 32;
-        uint4 wr[NW];
+        const W* slot = slots + (i % S) * NW * 32;
+        W wr[NW];
 #pragma unroll
         for (int j = 0; j < NW; ++j)
-            wr[j] = n0 + j < N ? slot[j * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
+            wr[j] = n0 + j < N ? slot[j * 32 + lane] : W{};
         accumulate(wr, first + stride * i);
     }
 """
@@ -139,20 +153,62 @@ REDUCE = """
     }
 """
 
-# x's VEC elements from element i as floats: x of w's dtype T as it is, fp32 x (X = float)
+# A lane's chunk of a weight row: C elements of T (16 or 8 bytes) as one load, and as floats.
+CHUNKS = """
+namespace qwen38_rows {
+template <typename T, int C> struct Chunk;
+template <typename T> struct Wide {  // 16 bytes: qwen38_dattn::Vec's vectors
+  using type = uint4;
+  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
+    qwen38_dattn::Vec<T>::to_float(u, f);
+  }
+};
+template <> struct Chunk<float, 4> : Wide<float> {};
+template <> struct Chunk<__nv_bfloat16, 8> : Wide<__nv_bfloat16> {};
+template <> struct Chunk<__half, 8> : Wide<__half> {};
+template <> struct Chunk<__nv_bfloat16, 4> {  // 8 bytes
+  using type = uint2;
+  static __device__ __forceinline__ void to_float(const uint2& u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  }
+};
+template <> struct Chunk<__half, 4> {
+  using type = uint2;
+  static __device__ __forceinline__ void to_float(const uint2& u, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  }
+};
+// cp.async of one chunk (8-byte copies go through L1: .cg takes 16 bytes only)
+template <int B> __device__ __forceinline__ void copy_async(void* smem, const void* gmem);
+template <> __device__ __forceinline__ void copy_async<16>(void* smem, const void* gmem) {
+  qwen38_dattn::cp_async16(smem, gmem);
+}
+template <> __device__ __forceinline__ void copy_async<8>(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" :: "r"(s), "l"(gmem) : "memory");
+}
+}  // namespace qwen38_rows
+"""
+
+# x's C elements from element i as floats: x of w's dtype T as it is, fp32 x (X = float)
 # rounded to T first, as casting x to T would round it (row r's vector c is at (r KV + c) VEC).
 X_LOAD = """
 template <typename A, typename B> struct same_type { static constexpr bool value = false; };
 template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
 
-template <typename T, typename X>
+template <typename T, typename X, int C>
 __device__ __forceinline__ void load_x(const X* x, long long i, float* f) {
+  using Load = qwen38_rows::Chunk<T, C>;
   if constexpr (same_type<T, X>::value) {
-    qwen38_dattn::Vec<T>::to_float(*reinterpret_cast<const uint4*>(x + i), f);
+    Load::to_float(*reinterpret_cast<const typename Load::type*>(x + i), f);
   } else {
     const float4* v = reinterpret_cast<const float4*>(x + i);
 #pragma unroll
-    for (int q = 0; q < qwen38_dattn::Vec<T>::N / 4; ++q) {
+    for (int q = 0; q < C / 4; ++q) {
       const float4 u = v[q];
       f[4 * q] = static_cast<float>(static_cast<T>(u.x));
       f[4 * q + 1] = static_cast<float>(static_cast<T>(u.y));
@@ -163,14 +219,31 @@ __device__ __forceinline__ void load_x(const X* x, long long i, float* f) {
 }
 """
 
-# Template constants from the call: T (w's dtype), X (x's: T or float), R (rows), NW (outputs
-# per warp), KS (warps per output), U (vectors a lane loads per output before using them).
+# Template constants from the call: T (w's dtype), X (x's: T or float), C (elements of a
+# chunk), R (rows), NW (outputs per warp), KS (warps per output), XS (x copied to shared
+# memory at byte XO), then the walk's: U (chunks a lane loads per output before using them)
+# or S (steps copied ahead).
 _PRODUCT = (
     """
     using namespace qwen38_dattn;
     constexpr int WARPS = __THREADS__ / 32;
-    constexpr int VEC = Vec<T>::N;                 // elements per 16-byte vector
-    const int KV = x_shape[1] / VEC;               // vectors per row (K % VEC == 0)
+    using Load = qwen38_rows::Chunk<T, C>;         // a lane's chunk: C elements of T
+    using W = typename Load::type;
+    const int KV = x_shape[1] / C;                 // chunks per row (K % C == 0)
+    extern __shared__ __align__(16) unsigned char smem_dyn[];
+    // XS: the block first copies x's rows to shared memory as T (rounded as a cast rounds),
+    // and lanes read their x there: fp32 rows read through L1 by every warp would cost
+    // twice the bytes of the weights they multiply
+    T* xt = reinterpret_cast<T*>(smem_dyn + XO);
+    if constexpr (XS) {
+        for (int i = threadIdx.x * 4; i < R * x_shape[1]; i += __THREADS__ * 4) {
+            float f[4];
+            load_x<T, X, 4>(x, i, f);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xt[i + e] = static_cast<T>(f[e]);
+        }
+        __syncthreads();
+    }
 
 """
     + ACCUMULATORS
@@ -178,18 +251,19 @@ _PRODUCT = (
     // lane's vectors first, first + stride, ... ascending for every (row, output): the
     // loads of U of them are issued before their products (the order of the sums is fixed)
     // (the weights are widened once per vector, not once per row)
-    auto accumulate = [&](const uint4 (&wr)[NW], int c) {
-        float wf[NW][VEC];
+    auto accumulate = [&](const W (&wr)[NW], int c) {
+        float wf[NW][C];
 #pragma unroll
-        for (int j = 0; j < NW; ++j) Vec<T>::to_float(wr[j], wf[j]);
+        for (int j = 0; j < NW; ++j) Load::to_float(wr[j], wf[j]);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            float xf[VEC];
-            load_x<T, X>(x, ((long long)r * KV + c) * VEC, xf);
+            float xf[C];
+            if constexpr (XS) load_x<T, T, C>(xt, ((long long)r * KV + c) * C, xf);
+            else load_x<T, X, C>(x, ((long long)r * KV + c) * C, xf);
 #pragma unroll
             for (int j = 0; j < NW; ++j)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[r][j] = fmaf(xf[e], wf[j][e], acc[r][j]);
+                for (int e = 0; e < C; ++e) acc[r][j] = fmaf(xf[e], wf[j][e], acc[r][j]);
         }
     };
 """
@@ -199,17 +273,16 @@ _STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahe
 
 
 @functools.cache
-def _kernel(staged_bytes: int = 0):
-    """The product with the register walk, or (staged_bytes > 0) with the staged walk and
-    that much shared memory for its copies."""
-    source = _STAGED_SOURCE if staged_bytes else _SOURCE
+def _kernel(staged: bool, shared_bytes: int):
+    """The product with the register walk, or with the staged walk, and that much shared
+    memory (the staged walk's copies, then x's copy)."""
     return cuda_kernel(
-        name="qwen38_rows_matmul_staged" if staged_bytes else "qwen38_rows_matmul",
+        name="qwen38_rows_matmul_staged" if staged else "qwen38_rows_matmul",
         input_names=["x", "w"],
         output_names=["y"],
-        source=source.replace("__THREADS__", str(THREADS)),
-        header=VECTORS + (ASYNC_COPIES if staged_bytes else "") + X_LOAD,
-        shared_memory=staged_bytes,
+        source=(_STAGED_SOURCE if staged else _SOURCE).replace("__THREADS__", str(THREADS)),
+        header=VECTORS + ASYNC_COPIES + CHUNKS + X_LOAD,
+        shared_memory=shared_bytes,
     )
 
 
@@ -239,29 +312,48 @@ def _split(n: int) -> int:
     return SPLIT_K if n <= SPLIT_K_MAX_N else 1
 
 
-def _shape(rows: int) -> tuple[int, int]:
-    """(outputs per warp, 16-byte weight vectors a lane loads per output before using them)
-    for a launch of `rows` rows."""
+def _shape(rows: int, chunk_bytes: int) -> tuple[int, int]:
+    """(outputs per warp, chunks a lane loads per output before using them) for a launch of
+    `rows` rows: LOADS x 16 bytes in flight per lane."""
     nw = OUTPUTS_PER_WARP.get(rows, WIDE_OUTPUTS)
-    return nw, max(LOADS // nw, 1)
+    return nw, max(LOADS * 16 // chunk_bytes // nw, 1)
 
 
 def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in w's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x of w's dtype, or fp32 for a half-precision w
     (rounded to w's dtype as it is read); K % (16 bytes of w) == 0."""
-    n = w.shape[0]
-    template = [("T", w.dtype), ("X", x.dtype)]
-    return launch_in_parts(lambda rows: _launch(rows, n), x, [w], n, template, w.dtype)
+    n, k, size = w.shape[0], w.shape[1], w.dtype.size
+    copy_x = X_SHARED == "all" or (x.dtype != w.dtype and X_SHARED == "wide")
+    if copy_x and min(x.shape[0], ROWS_PER_LAUNCH) * k * size > X_SHARED_MAX:
+        if x.dtype != w.dtype:  # too wide to copy: the cast, as the rows would be rounded
+            x = x.astype(w.dtype)
+        copy_x = False
+    chunk = _chunk(w.dtype)
+    template = [("T", w.dtype), ("X", x.dtype), ("C", chunk)]
+
+    def launch(rows: int) -> tuple:
+        return _launch(rows, n, chunk * size, rows * k * size if copy_x else 0)
+
+    return launch_in_parts(launch, x, [w], n, template, w.dtype)
 
 
-def _launch(rows: int, n: int) -> tuple:
-    """(kernel, template constants) of a launch of `rows` rows and `n` outputs."""
-    nw, loads = _shape(rows)
-    shape = [("R", rows), ("NW", nw), ("KS", _split(n))]
+def _chunk(dtype: mx.Dtype) -> int:
+    """Elements of a weight row a lane loads at once: CHUNK_BYTES of them (at least 4)."""
+    return max(CHUNK_BYTES // dtype.size, 4)
+
+
+def _launch(rows: int, n: int, chunk_bytes: int, x_bytes: int) -> tuple:
+    """(kernel, template constants) of a launch of `rows` rows and `n` outputs, with x's
+    rows copied to `x_bytes` of shared memory (0: read in place)."""
+    nw, loads = _shape(rows, chunk_bytes)
+    shape = [("R", rows), ("NW", nw), ("KS", _split(n)), ("XS", x_bytes > 0)]
     if rows >= STAGED_FROM:
-        return _kernel(THREADS * STAGES * nw * 16), [*shape, ("S", STAGES)]
-    return _kernel(), [*shape, ("U", loads)]
+        stages = STAGES * 16 // chunk_bytes  # the same bytes in flight for either chunk
+        slots = THREADS * stages * nw * chunk_bytes
+        kernel = _kernel(True, slots + x_bytes)
+        return kernel, [*shape, ("XO", slots), ("S", stages)]
+    return _kernel(False, x_bytes), [*shape, ("XO", 0), ("U", loads)]
 
 
 def launch_in_parts(

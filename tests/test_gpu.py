@@ -415,13 +415,15 @@ def test_decode_attention_kernel_keeps_greedy_tokens(tmp_path, monkeypatch):
 
 
 # ----- the row-invariant step product (kernels/rows_matmul.py) --------------------------------
+@pytest.mark.parametrize("chunk_bytes", [16, 8])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-def test_rows_matmul_rows_equal_one_row_calls(dtype):
+def test_rows_matmul_rows_equal_one_row_calls(dtype, chunk_bytes, monkeypatch):
     """Each row of a 2..16-row product equals the one-row call bit for bit, and the product
-    is an fp32-accumulated x @ w.T (27B shapes and a small odd one)."""
+    is an fp32-accumulated x @ w.T (27B shapes and a small odd one), for either chunk."""
     from qwen38_backend.kernels import rows_matmul as kernel
 
     assert kernel.available(dtype)
+    monkeypatch.setattr(kernel, "CHUNK_BYTES", chunk_bytes)
     for n, k in ((17408, 5120), (5120, 6144), (1003, 264)):
         kx, kw = mx.random.split(mx.random.key(n))
         x = mx.random.normal((16, k), key=kx).astype(dtype)
@@ -436,13 +438,16 @@ def test_rows_matmul_rows_equal_one_row_calls(dtype):
         assert (err <= 0).all().item(), (n, k)
 
 
+@pytest.mark.parametrize("chunk_bytes", [16, 8])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_rows_matmul_rounds_fp32_rows_as_a_cast(dtype):
+def test_rows_matmul_rounds_fp32_rows_as_a_cast(dtype, chunk_bytes, monkeypatch):
     """fp32 rows (a norm's before its cast back, RMSNorm.for_product) give the products of
-    the rows cast to w's dtype bit for bit, at every row count, halfway values included."""
+    the rows cast to w's dtype bit for bit, at every row count, halfway values included,
+    for either chunk."""
     from qwen38_backend.kernels import rows_matmul as kernel
 
     assert kernel.available(dtype)
+    monkeypatch.setattr(kernel, "CHUNK_BYTES", chunk_bytes)
     for n, k in ((17408, 5120), (1003, 264)):
         kx, kw = mx.random.split(mx.random.key(n + 1))
         narrow = (3 * mx.random.normal((16, k), key=kx)).astype(dtype)
