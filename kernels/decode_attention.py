@@ -55,8 +55,7 @@ MMA_STAGES = 3
 MMA_BLOCKS = 64
 
 # Device helpers, in three parts so that a kernel's source holds only the ones it uses (its
-# length is host time per launch: jit.py). VECTORS and ASYNC_COPIES serve kernels/rows_matmul.py
-# too.
+# length is host time per launch: jit.py). ASYNC_COPIES serves kernels/rows_matmul.py too.
 VECTORS = """
 namespace qwen38_dattn {
 // 16 bytes of T -> floats

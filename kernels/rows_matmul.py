@@ -32,7 +32,7 @@ import warnings
 
 import mlx.core as mx
 
-from .decode_attention import ASYNC_COPIES, VECTORS  # Vec<T>; cp.async
+from .decode_attention import ASYNC_COPIES  # cp.async's commit and wait
 from .jit import cuda_kernel
 from .switch import kernel_switch
 
@@ -105,12 +105,12 @@ STAGED_WALK = """
             for (int j = 0; j < NW; ++j)
                 if (n0 + j < N) copy_chunk(slot + j * 32 + lane, wv + (n0 + j) * KV + c);
         }
-        cp_async_commit();                          // empty past the end: the count stays
+        qwen38_dattn::cp_async_commit();            // empty past the end: the count stays
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) issue(i);
     for (int i = 0; i < steps; ++i) {
-        cp_async_wait<S - 2>();                     // step i's copies have landed
+        qwen38_dattn::cp_async_wait<S - 2>();       // step i's copies have landed
         // refill the slot read in the step before (its values are in registers by now)
         issue(i + S - 1);
         const W* slot = slots + (i % S) * NW * 32;
@@ -153,43 +153,32 @@ REDUCE = """
     }
 """
 
-# A lane's chunk of a weight row: C elements of T (16 or 8 bytes) as one load, and as floats.
+# A lane's chunk of a weight row: C elements of T as one 16- or 8-byte load, and as floats.
+# (Kept short: MLX hashes a kernel's whole source at every launch it encodes.)
 CHUNKS = """
 namespace qwen38_rows {
-template <typename T, int C> struct Chunk;
-template <typename T> struct Wide {  // 16 bytes: qwen38_dattn::Vec's vectors
-  using type = uint4;
-  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
-    qwen38_dattn::Vec<T>::to_float(u, f);
+template <int B> struct Bytes;
+template <> struct Bytes<16> { using type = uint4; };
+template <> struct Bytes<8> { using type = uint2; };
+template <typename T, int C> struct Chunk {
+  using type = typename Bytes<C * sizeof(T)>::type;
+  static __device__ __forceinline__ void to_float(const type& u, float* f) {
+    const T* t = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int e = 0; e < C; ++e) f[e] = static_cast<float>(t[e]);
   }
 };
-template <> struct Chunk<float, 4> : Wide<float> {};
-template <> struct Chunk<__nv_bfloat16, 8> : Wide<__nv_bfloat16> {};
-template <> struct Chunk<__half, 8> : Wide<__half> {};
-template <> struct Chunk<__nv_bfloat16, 4> {  // 8 bytes
-  using type = uint2;
-  static __device__ __forceinline__ void to_float(const uint2& u, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-  }
-};
-template <> struct Chunk<__half, 4> {
-  using type = uint2;
-  static __device__ __forceinline__ void to_float(const uint2& u, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-  }
-};
-// cp.async of one chunk (8-byte copies go through L1: .cg takes 16 bytes only)
-template <int B> __device__ __forceinline__ void copy_async(void* smem, const void* gmem);
-template <> __device__ __forceinline__ void copy_async<16>(void* smem, const void* gmem) {
-  qwen38_dattn::cp_async16(smem, gmem);
-}
-template <> __device__ __forceinline__ void copy_async<8>(void* smem, const void* gmem) {
+}  // namespace qwen38_rows
+"""
+# cp.async of one chunk (8-byte copies go through L1: .cg takes 16 bytes only).
+COPY_CHUNK = """
+namespace qwen38_rows {
+template <int B> __device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" :: "r"(s), "l"(gmem) : "memory");
+  if constexpr (B == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(s), "l"(gmem) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" :: "r"(s), "l"(gmem) : "memory");
 }
 }  // namespace qwen38_rows
 """
@@ -197,24 +186,18 @@ template <> __device__ __forceinline__ void copy_async<8>(void* smem, const void
 # x's C elements from element i as floats: x of w's dtype T as it is, fp32 x (X = float)
 # rounded to T first, as casting x to T would round it (row r's vector c is at (r KV + c) VEC).
 X_LOAD = """
-template <typename A, typename B> struct same_type { static constexpr bool value = false; };
-template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
-
 template <typename T, typename X, int C>
 __device__ __forceinline__ void load_x(const X* x, long long i, float* f) {
   using Load = qwen38_rows::Chunk<T, C>;
-  if constexpr (same_type<T, X>::value) {
+  if constexpr (sizeof(X) == sizeof(T)) {  // X is T
     Load::to_float(*reinterpret_cast<const typename Load::type*>(x + i), f);
-  } else {
-    const float4* v = reinterpret_cast<const float4*>(x + i);
+  } else {                                 // X is float: C / 4 16-byte loads
+    float4 u[C / 4];
 #pragma unroll
-    for (int q = 0; q < C / 4; ++q) {
-      const float4 u = v[q];
-      f[4 * q] = static_cast<float>(static_cast<T>(u.x));
-      f[4 * q + 1] = static_cast<float>(static_cast<T>(u.y));
-      f[4 * q + 2] = static_cast<float>(static_cast<T>(u.z));
-      f[4 * q + 3] = static_cast<float>(static_cast<T>(u.w));
-    }
+    for (int q = 0; q < C / 4; ++q) u[q] = reinterpret_cast<const float4*>(x + i)[q];
+    const float* g = reinterpret_cast<const float*>(u);
+#pragma unroll
+    for (int e = 0; e < C; ++e) f[e] = static_cast<float>(static_cast<T>(g[e]));
   }
 }
 """
@@ -225,7 +208,6 @@ __device__ __forceinline__ void load_x(const X* x, long long i, float* f) {
 # or S (steps copied ahead).
 _PRODUCT = (
     """
-    using namespace qwen38_dattn;
     constexpr int WARPS = __THREADS__ / 32;
     using Load = qwen38_rows::Chunk<T, C>;         // a lane's chunk: C elements of T
     using W = typename Load::type;
@@ -281,7 +263,7 @@ def _kernel(staged: bool, shared_bytes: int):
         input_names=["x", "w"],
         output_names=["y"],
         source=(_STAGED_SOURCE if staged else _SOURCE).replace("__THREADS__", str(THREADS)),
-        header=VECTORS + ASYNC_COPIES + CHUNKS + X_LOAD,
+        header=CHUNKS + X_LOAD + (ASYNC_COPIES + COPY_CHUNK if staged else ""),
         shared_memory=shared_bytes,
     )
 
