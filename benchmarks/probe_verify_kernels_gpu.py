@@ -111,6 +111,12 @@ def parse(path: str, rows: list[int]) -> dict:
         elif current is not None:
             current.append((name, ms))
     spans = spans[-len(rows) :]  # the measured forwards (warm-up ones are not marked)
+    if len(spans) < len(rows):  # e.g. ncu could not read the counters: its errors are here
+        with open(path) as f:
+            head = "".join(f.readlines()[:8])
+        raise SystemExit(
+            f"{path}: {len(spans)} marked forwards, expected {len(rows)}; the log begins:\n{head}"
+        )
     out = {}
     for r, span in zip(rows, spans, strict=True):
         by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
