@@ -47,9 +47,12 @@ LOADS = 4  # 16 bytes of weights a lane has in flight, this many times (outputs 
 CHUNK_BYTES = 16
 # x's rows are copied once per block into shared memory (as w's dtype) when they are fp32
 # ("wide"), always ("all") or never ("none": read through L1), where a launch's rows take at
-# most X_SHARED_MAX bytes there (fp32 rows wider than that are cast first).
+# most X_SHARED_MAX bytes there (fp32 rows wider than that are cast first). 32 KB: 3 rows of
+# the 27B's 5120 (MTP's verify). With the staged walk's 64 KB a block of 5 such rows held
+# 114 KB, one block per SM: a 27B step's products took 21.7 ms at 5 rows, as with the rows
+# read through L1, against 17.7 for rows cast first (gemv_orders_xshared_64l_s24.json).
 X_SHARED = "wide"
-X_SHARED_MAX = 64 * 1024
+X_SHARED_MAX = 32 * 1024
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 # The kernel's set-up, sums and reduction, kept apart from its per-vector step: the warp's
