@@ -34,8 +34,7 @@ def long_tiny(cli, tmp_path) -> str:
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = 32768
     (path / "config.json").write_text(json.dumps(config))
-    cli("qwen38", "add", str(path), "--name", "long")
-    return "long"
+    return cli.register(path, "long")
 
 
 class Running:

@@ -57,11 +57,38 @@ class LLM:
             [sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=600
         )
 
+    def register(self, path: Path, name: str) -> str:
+        """Register weights under `name` in this home as `llm qwen38 add PATH --name NAME`
+        does (registry.add_weights is all it runs), in this process: a fixture's set-up
+        needs no fresh `llm` (~2.5 s of imports). test_missing_weights_directory and
+        test_weights_of_another_model run the command itself."""
+        from qwen38_backend.loading.registry import add_weights
+
+        previous = os.environ.get("QWEN38_HOME")
+        os.environ["QWEN38_HOME"] = str(self.home)
+        try:
+            add_weights(path, name)
+        finally:
+            if previous is None:
+                os.environ.pop("QWEN38_HOME")
+            else:
+                os.environ["QWEN38_HOME"] = previous
+        return name
+
     def responses(self) -> list[dict]:
-        """Logged responses, oldest first (`llm logs --json`: storage-layout independent)."""
+        """Logged responses, oldest first (`llm logs --json`: storage-layout independent).
+
+        Read in this process through llm's own CLI (click's runner): only the answers under
+        test need a fresh `llm` process, and each costs ~2.5 s of imports."""
         if not (self.user_dir / "logs.db").exists():
             return []
-        rows = json.loads(self("logs", "-n", "0", "--json").stdout)
+        from click.testing import CliRunner
+        from llm.cli import cli as llm_cli
+
+        env = {"LLM_USER_PATH": str(self.user_dir), "QWEN38_HOME": str(self.home)}
+        result = CliRunner().invoke(llm_cli, ["logs", "-n", "0", "--json"], env=env)
+        assert result.exit_code == 0, (result.output, result.exception)
+        rows = json.loads(result.stdout)
         for r in rows:
             for key in ("token_details", "response_json"):
                 if isinstance(r.get(key), str):
@@ -78,9 +105,7 @@ def cli(tmp_path, monkeypatch) -> LLM:
 @pytest.fixture
 def tiny(cli, tmp_path) -> str:
     """Tiny qwen3 weights registered as `tiny`."""
-    path = dense_fixture("qwen3", tmp_path / "models")
-    cli("qwen38", "add", str(path), "--name", "tiny")
-    return "tiny"
+    return cli.register(dense_fixture("qwen3", tmp_path / "models"), "tiny")
 
 
 @pytest.fixture
