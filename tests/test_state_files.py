@@ -52,11 +52,11 @@ CHILD = (
 )
 
 
-def child(model_path: str, kv_json: str, ck_dir: str, out: str) -> None:
+def child(model_path: str, kv_json: str, ck_dir: str, out: str, cases_json: str) -> None:
     model = qwen38_backend.load(model_path)
     kv = json.loads(kv_json)
     got = {}
-    for b, _ in CASES:
+    for b, _ in json.loads(cases_json):
         state = model.new_state(**kv)
         sf.restore_state_file(Path(ck_dir) / f"{b}{sf.SUFFIX}", model, state)
         got[f"tokens{b}"] = np.array(state.tokens)
@@ -91,11 +91,15 @@ def qwen4_exp_dir(tmp_path_factory) -> Path:
     return _tiny_dir(tmp_path_factory, "qwen4_exp")
 
 
-def _resume_equality(model_path: Path, kv: dict, tmp_path: Path, prompt=PROMPT) -> None:
-    model = qwen38_backend.load(str(model_path))
+def _resume_equality(
+    model_path: Path, kv: dict, tmp_path: Path, prompt=PROMPT, model=None, cases=CASES
+) -> None:
+    """State files of `prompt` cut at each case's boundary, restored in a fresh process,
+    continue bit for bit as this process's states do (`model`: the loaded `model_path`)."""
+    model = model or qwen38_backend.load(str(model_path))
     ck_dir = tmp_path / "ck"
     expected = {}
-    for b, chunk in CASES:
+    for b, chunk in cases:
         state = model.new_state(**kv)
         model.prefill(prompt[:b], state, chunk=chunk)
         info = sf.save_state_file(ck_dir / f"{b}{sf.SUFFIX}", state, model)
@@ -103,6 +107,7 @@ def _resume_equality(model_path: Path, kv: dict, tmp_path: Path, prompt=PROMPT) 
         expected[str(b)] = continue_logits(model, state)  # the run that never stopped
     out = tmp_path / "child.npz"
     args = [__file__, "child", str(model_path), json.dumps(kv), str(ck_dir), str(out)]
+    args.append(json.dumps(cases))
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, *args],
         capture_output=True,
@@ -111,7 +116,7 @@ def _resume_equality(model_path: Path, kv: dict, tmp_path: Path, prompt=PROMPT) 
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = np.load(out)
-    for b, _ in CASES:
+    for b, _ in cases:
         assert got[f"tokens{b}"].tolist() == prompt[:b]
         assert np.array_equal(got[str(b)], expected[str(b)]), f"boundary {b} differs"
 
@@ -136,9 +141,13 @@ def test_resume_in_fresh_process_qwen4_exp(qwen4_exp_dir, tmp_path):
 
 
 @pytest.mark.demo
-def test_resume_in_fresh_process_demo(demo_gguf, tmp_path):
+def test_resume_in_fresh_process_demo(demo_gguf, demo_model, tmp_path):
+    """The demo's real weights, paged: a boundary on a page edge after a one-chunk prefill
+    and one inside a page after a chunked one (every case of CASES runs on the tiny models
+    above, contiguous and paged)."""
     prompt = [(i * 7919) % 40000 + 100 for i in range(40)]
-    _resume_equality(demo_gguf, {"kv_paged": "on", "kv_page_tokens": 16}, tmp_path, prompt)
+    kv = {"kv_paged": "on", "kv_page_tokens": 16}
+    _resume_equality(demo_gguf, kv, tmp_path, prompt, demo_model, [(16, 512), (30, 8)])
 
 
 # ----- the file holds live rows only and a complete header -------------------------------------
@@ -450,21 +459,22 @@ def test_mismatched_or_corrupt_mtp_history_refused(qwen3_5_model, tmp_path):
 
 
 # ----- rollback ---------------------------------------------------------------------------------
-def _rollback(model) -> None:
-    """Generate 50 greedily, rewind 20, regenerate: identical (save point at the target)."""
+def _rollback(model, total: int = 50, back: int = 20) -> None:
+    """Generate `total` greedily, rewind `back`, regenerate: identical (save point at the
+    target)."""
     prompt = PROMPT[:17]
     greedy = dict(stop_token_ids=[])
-    full = list(model.run(prompt, model.new_state(), SamplingParams(max_tokens=50, **greedy)))
+    full = list(model.run(prompt, model.new_state(), SamplingParams(max_tokens=total, **greedy)))
     state = model.new_state()
-    first = list(model.run(prompt, state, SamplingParams(max_tokens=30, **greedy)))
-    point = state.save_point()  # prompt + 29 fed: the position a rewind returns to
-    assert point == len(prompt) + 29
-    rest = list(model.run([first[-1]], state, SamplingParams(max_tokens=20, **greedy)))
+    first = list(model.run(prompt, state, SamplingParams(max_tokens=total - back, **greedy)))
+    point = state.save_point()  # prompt + (total - back - 1) fed: where a rewind returns to
+    assert point == len(prompt) + total - back - 1
+    rest = list(model.run([first[-1]], state, SamplingParams(max_tokens=back, **greedy)))
     assert first + rest == full
-    state.rewind(20)
-    assert state.offset == point and state.tokens == prompt + full[:29]
-    again = list(model.run([first[-1]], state, SamplingParams(max_tokens=20, **greedy)))
-    assert again == full[30:]
+    state.rewind(back)
+    assert state.offset == point and state.tokens == prompt + full[: total - back - 1]
+    again = list(model.run([first[-1]], state, SamplingParams(max_tokens=back, **greedy)))
+    assert again == full[total - back :]
 
 
 def test_rollback_dense(dense_model):
@@ -492,8 +502,8 @@ def test_rollback_qwen4_exp(qwen4_exp_dir):
 
 @pytest.mark.demo
 def test_rollback_demo(demo_model):
-    _rollback(demo_model)
+    _rollback(demo_model, total=24, back=10)  # the tiny models above run 50 and rewind 20
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "child":
-    child(*sys.argv[2:6])
+    child(*sys.argv[2:7])
