@@ -24,6 +24,23 @@ def weather(city: typing.Literal["Paris", "Berlin"]) -> str:
 '''
 
 
+BATCH = """
+import json, traceback
+from click.testing import CliRunner
+from llm.cli import cli
+
+def run(commands):
+    results = []
+    for args in json.loads(commands):
+        r = CliRunner().invoke(cli, args, prog_name="llm")
+        err = r.stderr
+        if r.exception is not None and not isinstance(r.exception, SystemExit):
+            err += "".join(traceback.format_exception(r.exception))  # as a process prints it
+        results.append([r.exit_code, r.stdout, err])
+    print(json.dumps(results))
+"""
+
+
 class LLM:
     """Runs `python -m llm` with an isolated user dir and an isolated engine home (registry
     and weights cache, shared with the `qwen38` command; see test_one_home.py)."""
@@ -51,6 +68,20 @@ class LLM:
                 f"llm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
             )
         return proc
+
+    def batch(self, *commands: list[str]) -> list[subprocess.CompletedProcess]:
+        """`llm` command lines run one after another in ONE fresh process, each through
+        click's CliRunner on llm's own CLI (plugins loaded as `llm` loads them): one start-up
+        (~2.5 s of imports) for the lot. For commands that only read or change files (the
+        registry, the prefix store) and refusals before any answer; answers run in `llm`
+        processes of their own (__call__), since their process boundaries are tested."""
+        proc = self.python(BATCH + f"\nrun({json.dumps(list(commands))!r})")
+        assert proc.returncode == 0, proc.stderr
+        results = json.loads(proc.stdout.strip().splitlines()[-1])
+        return [
+            subprocess.CompletedProcess(["llm", *args], code, out, err)
+            for args, (code, out, err) in zip(commands, results, strict=True)
+        ]
 
     def python(self, code: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -145,11 +176,13 @@ def test_llm_help_is_fast(cli):
 
 
 def test_models_list_shows_demo_alias_and_registered(cli, tiny):
-    out = cli("models", "list").stdout
+    models, listed = cli.batch(["models", "list"], ["qwen38", "list"])
+    out = models.stdout
+    assert models.returncode == 0 and listed.returncode == 0, models.stderr + listed.stderr
     assert "qwen38-demo" in out
     assert "Qwen3.8 (local): qwen38\n" in out
     assert "Qwen3.8 (local): tiny" in out
-    listed = cli("qwen38", "list").stdout
+    listed = listed.stdout
     assert "tiny" in listed and "qwen38-demo" in listed
     # the registry is the engine's (shared with `qwen38`), not a copy under the llm user dir
     assert (cli.home / "registry.json").is_file()
@@ -160,32 +193,42 @@ def test_default_alias(cli, tiny):
     proc = cli("-m", "qwen38", "hi", "-o", "max_tokens", "2", check=False)
     assert proc.returncode != 0
     assert "llm qwen38 add" in proc.stderr and "qwen38-demo" in proc.stderr
-    cli("qwen38", "default", "tiny")
-    assert cli("qwen38", "default").stdout.strip() == "tiny"
+    made, shown = cli.batch(["qwen38", "default", "tiny"], ["qwen38", "default"])
+    assert made.returncode == 0, made.stderr
+    assert shown.returncode == 0 and shown.stdout.strip() == "tiny", shown.stderr
     cli("-m", "qwen38", "hi", "-o", "max_tokens", "3", "-o", "seed", "1")
     assert cli.responses()[-1]["response_json"]["weights"].endswith("qwen3")
 
 
 def test_commands_remove_info_and_errors(cli, tiny):
-    info = cli("qwen38", "info", "tiny").stdout
-    assert "qwen3" in info and "state files" in info
-    proc = cli("qwen38", "remove", "nope", check=False)
-    assert proc.returncode != 0 and "unknown model 'nope'" in proc.stderr
-    proc = cli("qwen38", "add", str(cli.user_dir / "missing"), check=False)
-    assert proc.returncode != 0 and "no such file or directory" in proc.stderr
-    cli("qwen38", "remove", "tiny")
-    assert "tiny" not in cli("models", "list").stdout
+    info, nope, missing, removed, listed = cli.batch(
+        ["qwen38", "info", "tiny"],
+        ["qwen38", "remove", "nope"],
+        ["qwen38", "add", str(cli.user_dir / "missing")],
+        ["qwen38", "remove", "tiny"],
+        ["models", "list"],
+    )
+    assert info.returncode == 0, info.stderr
+    assert "qwen3" in info.stdout and "state files" in info.stdout
+    assert nope.returncode != 0 and "unknown model 'nope'" in nope.stderr
+    assert missing.returncode != 0 and "no such file or directory" in missing.stderr
+    assert removed.returncode == 0, removed.stderr
+    assert listed.returncode == 0 and "tiny" not in listed.stdout, listed.stderr
 
 
 def test_cache_commands(cli, tiny):
     cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
-    listed = cli("qwen38", "cache", "list").stdout
-    assert "state files" in listed and not listed.startswith("0 state files")
     store_dir = cli.user_dir / "qwen38" / "checkpoints"
     assert any(store_dir.rglob("*.safetensors"))
-    proc = cli("qwen38", "cache", "prune", "--max-bytes", "lots", check=False)
-    assert proc.returncode != 0 and "invalid size" in proc.stderr
-    cli("qwen38", "cache", "prune", "--max-bytes", "0")
+    listed, bad, pruned = cli.batch(
+        ["qwen38", "cache", "list"],
+        ["qwen38", "cache", "prune", "--max-bytes", "lots"],
+        ["qwen38", "cache", "prune", "--max-bytes", "0"],
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert "state files" in listed.stdout and not listed.stdout.startswith("0 state files")
+    assert bad.returncode != 0 and "invalid size" in bad.stderr
+    assert pruned.returncode == 0, pruned.stderr
     assert not any(store_dir.rglob("*.safetensors"))
     cli("-m", "tiny", "hello", "-o", "max_tokens", "4", "-o", "seed", "1")
     cli("qwen38", "cache", "clear", "--yes")
@@ -200,22 +243,37 @@ def test_unknown_model(cli):
     assert proc.returncode != 0 and "Unknown model" in proc.stderr
 
 
-@pytest.mark.parametrize(
-    ("option", "value", "message"),
-    [
-        ("temperature", "-1", "temperature"),
-        ("top_p", "0", "top_p"),
-        ("max_tokens", "zero", "max_tokens"),
-        ("kv_paged", "sometimes", "kv_paged"),
-        ("think", "perhaps", "think"),
-        ("bogus", "1", "bogus"),
-    ],
-)
-def test_invalid_options(cli, tiny, option, value, message):
-    proc = cli("-m", "tiny", "hi", "-o", option, value, check=False)
+INVALID_OPTIONS = [
+    ("temperature", "-1", "temperature"),
+    ("top_p", "0", "top_p"),
+    ("max_tokens", "zero", "max_tokens"),
+    ("kv_paged", "sometimes", "kv_paged"),
+    ("think", "perhaps", "think"),
+    ("bogus", "1", "bogus"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused_options(tmp_path_factory) -> tuple[dict, list[dict]]:
+    """`llm -m tiny hi -o OPTION VALUE` for each of INVALID_OPTIONS (one `llm` process for
+    all: each is refused before an answer starts), and what llm logged after them."""
+    root = tmp_path_factory.mktemp("invalid")
+    cli = LLM(root / "llm-user")
+    cli.register(dense_fixture("qwen3", root / "models"), "tiny")
+    commands = [["-m", "tiny", "hi", "-o", option, value] for option, value, _ in INVALID_OPTIONS]
+    procs = cli.batch(*commands)
+    logged = cli.responses() if (cli.user_dir / "logs.db").exists() else []
+    return {case[0]: proc for case, proc in zip(INVALID_OPTIONS, procs, strict=True)}, logged
+
+
+@pytest.mark.parametrize(("option", "value", "message"), INVALID_OPTIONS)
+def test_invalid_options(refused_options, option, value, message):
+    procs, logged = refused_options
+    proc = procs[option]
+    assert proc.args[-2:] == [option, value]
     assert proc.returncode != 0
     assert message in proc.stderr
-    assert not (cli.user_dir / "logs.db").exists() or not cli.responses()
+    assert not logged
 
 
 def test_missing_weights_directory(cli, tmp_path):
@@ -224,9 +282,9 @@ def test_missing_weights_directory(cli, tmp_path):
     for f in path.iterdir():
         f.unlink()
     path.rmdir()
-    proc = cli("-m", "gone", "hi", check=False)
+    proc, listed = cli.batch(["-m", "gone", "hi"], ["qwen38", "list"])
     assert proc.returncode != 0 and "no longer exists" in proc.stderr
-    assert "[missing]" in cli("qwen38", "list").stdout  # the registry is intact
+    assert "[missing]" in listed.stdout  # the registry is intact
 
 
 def test_weights_of_another_model(cli, tmp_path):
@@ -234,8 +292,8 @@ def test_weights_of_another_model(cli, tmp_path):
     path = dense_fixture("qwen3", tmp_path / "mixed")
     llama = dense_fixture("llama", tmp_path / "llama")
     (path / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
-    cli("qwen38", "add", str(path), "--name", "mixed")
-    proc = cli("-m", "mixed", "hi", check=False)
+    added, proc = cli.batch(["qwen38", "add", str(path), "--name", "mixed"], ["-m", "mixed", "hi"])
+    assert added.returncode == 0, added.stderr
     assert proc.returncode != 0
     assert "Error:" in proc.stderr and "q_norm" in proc.stderr
     assert not (cli.user_dir / "logs.db").exists() or not cli.responses()
