@@ -41,6 +41,20 @@ def run(commands):
 """
 
 
+def llm_batch(env: dict[str, str], *commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """`llm` command lines (LLM.batch) in one fresh process with environment `env`."""
+    code = BATCH + f"\nrun({json.dumps(list(commands))!r})"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [
+        subprocess.CompletedProcess(["llm", *args], code, out, err)
+        for args, (code, out, err) in zip(commands, results, strict=True)
+    ]
+
+
 class LLM:
     """Runs `python -m llm` with an isolated user dir and an isolated engine home (registry
     and weights cache, shared with the `qwen38` command; see test_one_home.py)."""
@@ -75,13 +89,7 @@ class LLM:
         (~2.5 s of imports) for the lot. For commands that only read or change files (the
         registry, the prefix store) and refusals before any answer; answers run in `llm`
         processes of their own (__call__), since their process boundaries are tested."""
-        proc = self.python(BATCH + f"\nrun({json.dumps(list(commands))!r})")
-        assert proc.returncode == 0, proc.stderr
-        results = json.loads(proc.stdout.strip().splitlines()[-1])
-        return [
-            subprocess.CompletedProcess(["llm", *args], code, out, err)
-            for args, (code, out, err) in zip(commands, results, strict=True)
-        ]
+        return llm_batch(self.env, *commands)
 
     def python(self, code: str) -> subprocess.CompletedProcess:
         return subprocess.run(

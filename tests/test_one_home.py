@@ -18,6 +18,7 @@ from pathlib import Path
 import platformdirs
 import pytest
 from helpers import dense_fixture
+from test_llm_plugin import llm_batch
 
 from qwen38_backend.loading import demo, paths
 from qwen38_backend.loading.registry import DEMO_NAME, Registry, resolve
@@ -55,7 +56,10 @@ def test_default_dirs_follow_platformdirs(user: dict[str, str], tmp_path: Path) 
 
 def test_llm_add_then_qwen38_run_and_info(user: dict[str, str], tmp_path: Path) -> None:
     model = dense_fixture("qwen3", tmp_path / "models")
-    added = run(user, "llm", "qwen38", "add", str(model), "--name", "democopy")
+    # llm's two commands in one fresh process (test_llm_plugin.llm_batch)
+    added, where = llm_batch(
+        user, ["qwen38", "add", str(model), "--name", "democopy"], ["qwen38", "info", "democopy"]
+    )
     assert added.returncode == 0, added.stderr
     out = run(user, "qwen38_backend.cli", "run", "democopy", "hi", "--max-tokens", "3")
     assert out.returncode == 0, out.stderr
@@ -66,7 +70,8 @@ def test_llm_add_then_qwen38_run_and_info(user: dict[str, str], tmp_path: Path) 
     assert json.loads(registry.read_text())["models"]["democopy"]["path"] == str(model)
     assert not (tmp_path / "llm-user" / "qwen38" / "registry.json").exists()
     assert not (tmp_path / "llm-user" / "qwen38" / "cache").exists()
-    where = run(user, "llm", "qwen38", "info", "democopy").stdout
+    assert where.returncode == 0, where.stderr
+    where = where.stdout
     assert f"registry      {registry}" in where
     assert f"weights cache {platformdirs.user_cache_dir('qwen38')}" in where
     assert f"state files   {tmp_path / 'llm-user' / 'qwen38' / 'checkpoints'}" in where
@@ -77,10 +82,12 @@ def test_qwen38_add_then_llm_finds_it(user: dict[str, str], tmp_path: Path) -> N
     added = run(user, "qwen38_backend.cli", "add", str(model), "--name", "fromcli", "--default")
     assert added.returncode == 0, added.stderr
     assert "added fromcli" in added.stdout
-    listed = run(user, "llm", "models", "list").stdout
-    assert "Qwen3.8 (local): fromcli" in listed
-    assert run(user, "llm", "qwen38", "default").stdout.strip() == "fromcli"
-    info = run(user, "llm", "qwen38", "info", "fromcli")
+    # llm's commands, one fresh process for the three (test_llm_plugin.llm_batch)
+    listed, default, info = llm_batch(
+        user, ["models", "list"], ["qwen38", "default"], ["qwen38", "info", "fromcli"]
+    )
+    assert "Qwen3.8 (local): fromcli" in listed.stdout
+    assert default.stdout.strip() == "fromcli"
     assert info.returncode == 0 and "llama" in info.stdout, info.stderr
 
 

@@ -274,9 +274,16 @@ def test_llm_plugin_against_the_server(server, local, tmp_path, monkeypatch):
 
     monkeypatch.delenv("QWEN38_HOME", raising=False)
     cli = LLM(tmp_path / "llm-user")
-    out = cli("qwen38", "add", "--url", server.url, "--name", "served").stdout
-    assert f"served at {server.url}" in out
-    assert "served" in cli("qwen38", "list").stdout
+    # one fresh `llm` process for the three commands (LLM.batch); a server that is not
+    # there is refused when added
+    added, listed, down = cli.batch(
+        ["qwen38", "add", "--url", server.url, "--name", "served"],
+        ["qwen38", "list"],
+        ["qwen38", "add", "--url", "http://127.0.0.1:9", "--name", "down"],
+    )
+    assert added.returncode == 0 and f"served at {server.url}" in added.stdout, added.stderr
+    assert "served" in listed.stdout
+    assert down.returncode != 0 and "cannot reach" in down.stderr
     prompt = "Say something about clouds."
     streamed = cli("-m", "served", prompt, "-o", "temperature", "0", "-o", "max_tokens", "12")
     text, _, _ = local_answer(local, user(prompt), **GREEDY)
@@ -292,9 +299,6 @@ def test_llm_plugin_against_the_server(server, local, tmp_path, monkeypatch):
     monkeypatch.setenv("QWEN38_HOME", str(cli.home))
     chat = ChatQwen38(model="served", temperature=0, max_tokens=12)
     assert chat.invoke(prompt).content == text
-    # a server that is not there is refused when added
-    down = cli("qwen38", "add", "--url", "http://127.0.0.1:9", "--name", "down", check=False)
-    assert down.returncode != 0 and "cannot reach" in down.stderr
     # the engine's command shares the registry and can add servers too
     added = subprocess.run(
         [sys.executable, "-m", "qwen38_backend.cli", "add", "--url", server.url + "/v1/"],
