@@ -48,7 +48,7 @@ def _turn(session, msgs, **options):
     return text, events[-1]
 
 
-def _chat(model, store, turns=TURNS):
+def _chat(model, store, turns=TURNS, **options):
     """Three turns; per turn: (text, usage, prompt ids, live tokens before the turn)."""
     session = model.session(cache=store)
     msgs, out = [], []
@@ -56,18 +56,18 @@ def _chat(model, store, turns=TURNS):
         msgs.append({"role": "user", "content": content})
         before = session.state.tokens if session.state is not None else []
         ids, _ = session.render(msgs, enable_thinking=False)
-        text, done = _turn(session, msgs)
+        text, done = _turn(session, msgs, **options)
         out.append((text, done.usage, ids, before))
         msgs.append({"role": "assistant", "content": text})
     return out
 
 
-def _recomputed(model, turns=TURNS):
+def _recomputed(model, turns=TURNS, **options):
     session = model.session(cache=False)
     msgs, texts = [], []
     for content in turns:
         msgs.append({"role": "user", "content": content})
-        text, done = _turn(session, msgs)
+        text, done = _turn(session, msgs, **options)
         assert done.usage["cached"] == 0
         texts.append(text)
         msgs.append({"role": "assistant", "content": text})
@@ -329,10 +329,11 @@ def test_session_rewind(dense):
 
 @pytest.mark.demo
 def test_multi_turn_demo(demo_model, tmp_path):
-    turns = _chat(demo_model, PrefixStore(tmp_path / "store"))
+    short = {"max_tokens": 6}  # answers of 6 tokens, not 12: a demo token costs ~0.1 s here
+    turns = _chat(demo_model, PrefixStore(tmp_path / "store"), **short)
     for _text, usage, ids, before in turns[1:]:
         assert usage["cached"] == min(common_prefix_len(before, ids), len(ids) - 1) > 0
-    assert [t[0] for t in turns] == _recomputed(demo_model)
+    assert [t[0] for t in turns] == _recomputed(demo_model, **short)
 
 
 def common_prefix_len(a, b) -> int:
