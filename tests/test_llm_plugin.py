@@ -87,8 +87,10 @@ class LLM:
         """`llm` command lines run one after another in ONE fresh process, each through
         click's CliRunner on llm's own CLI (plugins loaded as `llm` loads them): one start-up
         (~2.5 s of imports) for the lot. For commands that only read or change files (the
-        registry, the prefix store) and refusals before any answer; answers run in `llm`
-        processes of their own (__call__), since their process boundaries are tested."""
+        registry, the prefix store), refusals before any answer, and answers that read no
+        other's state (-o cache false). Answers whose process boundary is part of what is
+        tested (-c, the prefix store across calls, chat, interrupts) run in `llm` processes
+        of their own (__call__)."""
         return llm_batch(self.env, *commands)
 
     def python(self, code: str) -> subprocess.CompletedProcess:
@@ -198,10 +200,13 @@ def test_models_list_shows_demo_alias_and_registered(cli, tiny):
 
 
 def test_default_alias(cli, tiny):
-    proc = cli("-m", "qwen38", "hi", "-o", "max_tokens", "2", check=False)
+    proc, made, shown = cli.batch(
+        ["-m", "qwen38", "hi", "-o", "max_tokens", "2"],
+        ["qwen38", "default", "tiny"],
+        ["qwen38", "default"],
+    )
     assert proc.returncode != 0
     assert "llm qwen38 add" in proc.stderr and "qwen38-demo" in proc.stderr
-    made, shown = cli.batch(["qwen38", "default", "tiny"], ["qwen38", "default"])
     assert made.returncode == 0, made.stderr
     assert shown.returncode == 0 and shown.stdout.strip() == "tiny", shown.stderr
     cli("-m", "qwen38", "hi", "-o", "max_tokens", "3", "-o", "seed", "1")
@@ -345,15 +350,19 @@ def test_draft_options_and_response_json(cli, tiny):
     figures in response_json; a model without an MTP head refuses draft mtp by name."""
     prompt = "one two three one two three one two three one two three"
     common = ["-m", tiny, prompt, "-o", "max_tokens", "24", "-o", "cache", "false"]
-    plain = cli(*common, "-o", "draft", "off")
-    drafted = cli(*common, "-o", "draft", "ngram", "-o", "draft_tokens", "3")
+    # one `llm` process for the three (LLM.batch): without the cache no answer reads another's
+    plain, drafted, refused = cli.batch(
+        [*common, "-o", "draft", "off"],
+        [*common, "-o", "draft", "ngram", "-o", "draft_tokens", "3"],
+        [*common, "-o", "draft", "mtp"],
+    )
+    assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
     assert drafted.stdout == plain.stdout
     rows = cli.responses()
     assert rows[-2]["response_json"]["draft"]["mode"] is None
     draft = rows[-1]["response_json"]["draft"]
     assert draft["mode"] == "ngram" and draft["drafted"] >= draft["accepted"]
     assert {"acceptance_rate", "tokens_per_forward"} <= draft.keys()
-    refused = cli(*common, "-o", "draft", "mtp", check=False)
     assert refused.returncode != 0 and "no MTP head" in refused.stderr
 
 
@@ -547,9 +556,12 @@ def test_bounded_pool_options_reach_the_engine(cli, tiny, tmp_path):
     prompt = prompt_of(tiny_tokenizer(cli), 300)
     common = ["-m", tiny, prompt, "-o", "max_tokens", "6", "-o", "cache", "false"]
     common += ["-o", "kv_paged", "on", "-o", "kv_page_tokens", "16"]
-    resident = cli(*common)
     spill = tmp_path / "spill"
-    bounded = cli(*common, "-o", "kv_pool_tokens", "64", "-o", "kv_spill_dir", str(spill))
+    # one `llm` process for both (LLM.batch): without the cache neither reads the other's
+    resident, bounded = cli.batch(
+        common, [*common, "-o", "kv_pool_tokens", "64", "-o", "kv_spill_dir", str(spill)]
+    )
+    assert resident.returncode == 0 and bounded.returncode == 0, resident.stderr + bounded.stderr
     assert bounded.stdout == resident.stdout
     kv = cli.responses()[-1]["response_json"]["kv"]
     assert kv.get("pages_spilled", kv.get("spill_writes", 0)) > 0, kv
