@@ -60,3 +60,13 @@ def demo_gguf() -> Path:
 def demo_model(demo_gguf):
     """The demo model loaded once per test session (fp32 on CPU)."""
     return qwen38_backend.load(str(demo_gguf))
+
+
+@pytest.fixture(scope="session")
+def demo_gguf_reader(demo_gguf):
+    """gguf's own reader (gguf-py, the independent reference) over the demo GGUF, parsed once
+    per session: parsing reads its 49,152-token vocabulary field by field (~6 s here).
+    Read-only (a memory map)."""
+    import gguf
+
+    return gguf.GGUFReader(str(demo_gguf))

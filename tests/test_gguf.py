@@ -224,14 +224,14 @@ def test_demo_gguf_layout(demo_gguf: Path) -> None:
 
 
 @pytest.mark.demo
-def test_demo_gguf_unpermute_matches_independent_dequant(demo_gguf: Path) -> None:
+def test_demo_gguf_unpermute_matches_independent_dequant(demo_gguf: Path, demo_gguf_reader) -> None:
     """Layer-0 Q/K from gguf's own reader + dequantizer, un-permuted with transformers'
     reverse permutation, equal our lazily un-permuted MLX triplets."""
     DEMO = demo_gguf
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     proc = LlamaTensorProcessor(config={})
-    reader = gguf.GGUFReader(str(DEMO))
+    reader = demo_gguf_reader
     raw = {t.name: t for t in reader.tensors if t.name.startswith("blk.0.attn_")}
     ck = read_weights(DEMO, tokenizer=False)
     for gname, heads in (("attn_q", 9), ("attn_k", 3), ("attn_v", 3)):

@@ -474,14 +474,26 @@ DEMO_TEXTS = [t for t in TEXTS if "\ufffd" not in t] + [
 
 
 @pytest.fixture(scope="module")
-def demo_pair(demo_gguf):
+def demo_pair(demo_gguf, demo_gguf_reader):
+    from unittest import mock
+
+    import gguf
     import mlx.core as mx
     from transformers import AutoTokenizer
 
     path = Path(demo_gguf)
     _, metadata = mx.load(str(path), return_metadata=True)
     ours = Tokenizer.from_gguf_metadata(metadata)
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # transformers reads the file with gguf's reader: the session's (test_gguf parses the
+    # same file with it), not a second ~6 s parse
+    real = gguf.GGUFReader
+
+    def reader(file, *args, **kwargs):
+        same = Path(file).resolve() == path.resolve() and not args and not kwargs
+        return demo_gguf_reader if same else real(file, *args, **kwargs)
+
+    with mock.patch.object(gguf, "GGUFReader", reader):
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return ours, hf
 
 
