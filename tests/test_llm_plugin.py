@@ -349,7 +349,9 @@ def test_draft_options_and_response_json(cli, tiny):
     """-o draft ngram -o draft_tokens 3: the same answer as -o draft off, and the draft
     figures in response_json; a model without an MTP head refuses draft mtp by name."""
     prompt = "one two three one two three one two three one two three"
+    # think off: the answer is stdout (the tiny model's reasoning would go to stderr)
     common = ["-m", tiny, prompt, "-o", "max_tokens", "24", "-o", "cache", "false"]
+    common += ["-o", "think", "false"]
     # one `llm` process for the three (LLM.batch): without the cache no answer reads another's
     plain, drafted, refused = cli.batch(
         [*common, "-o", "draft", "off"],
@@ -357,7 +359,7 @@ def test_draft_options_and_response_json(cli, tiny):
         [*common, "-o", "draft", "mtp"],
     )
     assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
-    assert drafted.stdout == plain.stdout
+    assert len(plain.stdout) > 1 and drafted.stdout == plain.stdout  # the answer itself
     rows = cli.responses()
     assert rows[-2]["response_json"]["draft"]["mode"] is None
     draft = rows[-1]["response_json"]["draft"]
@@ -555,6 +557,7 @@ def test_bounded_pool_options_reach_the_engine(cli, tiny, tmp_path):
     answers as the all-resident store does."""
     prompt = prompt_of(tiny_tokenizer(cli), 300)
     common = ["-m", tiny, prompt, "-o", "max_tokens", "6", "-o", "cache", "false"]
+    common += ["-o", "think", "false"]  # the answer on stdout (reasoning goes to stderr)
     common += ["-o", "kv_paged", "on", "-o", "kv_page_tokens", "16"]
     spill = tmp_path / "spill"
     # one `llm` process for both (LLM.batch): without the cache neither reads the other's
@@ -562,7 +565,7 @@ def test_bounded_pool_options_reach_the_engine(cli, tiny, tmp_path):
         common, [*common, "-o", "kv_pool_tokens", "64", "-o", "kv_spill_dir", str(spill)]
     )
     assert resident.returncode == 0 and bounded.returncode == 0, resident.stderr + bounded.stderr
-    assert bounded.stdout == resident.stdout
+    assert len(resident.stdout) > 1 and bounded.stdout == resident.stdout  # the answer
     kv = cli.responses()[-1]["response_json"]["kv"]
     assert kv.get("pages_spilled", kv.get("spill_writes", 0)) > 0, kv
     assert not any(spill.rglob("*")) or all(p.is_dir() for p in spill.rglob("*"))  # removed
