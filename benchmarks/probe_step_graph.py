@@ -10,6 +10,15 @@ one step's graph (the logits and the state it writes) exported with mx.export_to
 counted by primitive: a compiled graph is one node, views (reshape, slice, ...) are nodes
 too. On a GPU the host's build + queue time per step bounds decode when it exceeds the
 device's.
+
+`--pipelined N` also decodes N greedy tokens as Engine.decode does (the next step built and
+queued before this token is read back) and splits each token's wall time into build, queue
+and the wait in `item()`: a wait near zero means the host bounds the token.
+`--device N` (a GPU) measures a step's device time with the host out of the way: a spin
+kernel of fixed length is queued first, the whole step is built and queued while the device
+spins, then the step's wall time past the spin alone is its device time (median of N).
+`--rows-kernel off` runs one-row products in MLX's gemv instead (bench_gpu_27b.py's
+`--mlx-gemv-steps`: a measurement, not an engine mode).
 """
 
 from __future__ import annotations
@@ -68,6 +77,87 @@ def state_arrays(state) -> list:
     return out
 
 
+SPIN_SOURCE = """
+    long long start = clock64();
+    while (clock64() - start < cycles[0]) {}
+    out[0] = 0;
+"""
+
+
+def spin_kernel():
+    """A one-thread kernel that keeps the device busy for `cycles` clock cycles."""
+    import mlx.core as mx
+
+    kernel = mx.fast.cuda_kernel(
+        name="spin", input_names=["cycles"], output_names=["out"], source=SPIN_SOURCE
+    )
+
+    def spin(cycles: int) -> mx.array:
+        return kernel(
+            inputs=[mx.array([cycles], dtype=mx.int64)],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.int32],
+        )[0]
+
+    return spin
+
+
+def device_ms(model, state, token, steps: int, spin_ms: float = 40.0) -> dict:
+    """A step's device time: queued behind a spin of fixed length, so its whole graph is
+    queued before the device reaches it (module docstring). Median ms of `steps`."""
+    import mlx.core as mx
+
+    spin = spin_kernel()
+
+    def timed(with_step: bool, cycles: int) -> float:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = [spin(cycles)]
+        mx.async_eval(out[0])
+        if with_step:
+            out.append(model.forward(token, state, last_only=True))
+            mx.async_eval(out[-1])
+        mx.eval(out)
+        mx.synchronize()
+        return time.perf_counter() - t0
+
+    cycles = 1_000_000
+    while timed(False, cycles) < spin_ms / 1e3:  # calibrate: about spin_ms of spinning
+        cycles *= 2
+    alone, both = [], []
+    for _ in range(steps):
+        alone.append(timed(False, cycles))
+        both.append(timed(True, cycles))
+    spin_s, step_s = statistics.median(alone), statistics.median(both)
+    return {"spin_ms": 1e3 * spin_s, "step_ms": 1e3 * (step_s - spin_s), "steps": steps}
+
+
+def pipelined_split(model, state, logits, n: int) -> dict:
+    """Median ms of build, queue and wait per greedy token decoded as Engine.decode does
+    without logits processors (the next step queued before this token is read)."""
+    import mlx.core as mx
+
+    y = mx.argmax(logits.reshape(-1, logits.shape[-1])[-1], axis=-1)
+    mx.async_eval(y)
+    parts = {"build": [], "queue": [], "wait": [], "token": []}
+    for _ in range(n):
+        t0 = time.perf_counter()
+        next_y = mx.argmax(model.forward(y.reshape(1), state, last_only=True)[-1], axis=-1)
+        t1 = time.perf_counter()
+        mx.async_eval(next_y)
+        t2 = time.perf_counter()
+        y.item()
+        t3 = time.perf_counter()
+        for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
+            parts[name].append(dt)
+        y = next_y
+    mx.eval(y)
+    skip = min(3, n // 2)  # the first tokens trace the compiled graphs
+    return {name: 1e3 * statistics.median(v[skip:]) for name, v in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
@@ -77,15 +167,31 @@ def main() -> None:
     ap.add_argument("--kv-topk", type=int, default=0, help="paged Quest with this budget")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dot", default=None, help="keep the step's graph here (Graphviz)")
+    ap.add_argument("--pipelined", type=int, default=0, help="tokens decoded as Engine does")
+    ap.add_argument("--device", type=int, default=0, help="steps timed behind a spin (GPU)")
+    ap.add_argument("--rows-kernel", default="auto", choices=["auto", "off"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    import mlx.core as mx
+    import os
+    from contextlib import nullcontext
 
+    from qwen38_backend import rows
+
+    os.environ["QWEN38_ROWS_KERNEL"] = args.rows_kernel
     model, config, _ = random_model(args.dims, args.layers, args.dtype)
     kv = {"kv_paged": "on", "kv_topk": args.kv_topk} if args.kv_topk else {}
     state = model.new_state(**kv)
-    mx.eval(model.prefill(prompt(args.context, config["text_config"]["vocab_size"]), state))
+    with rows.unpadded() if args.rows_kernel == "off" else nullcontext():
+        result = measure(args, model, config, state, kv)
+    write_json(result, args.out)
+
+
+def measure(args, model, config, state, kv: dict) -> dict:
+    import mlx.core as mx
+
+    prefill_logits = model.prefill(prompt(args.context, config["text_config"]["vocab_size"]), state)
+    mx.eval(prefill_logits)
     token = mx.array([7])
     builds, queues = [], []
     for i in range(args.steps + 3):
@@ -113,6 +219,7 @@ def main() -> None:
         "nodes": sum(counts.values()),
         "nodes_per_layer": sum(counts.values()) / args.layers,
         "kernels": kernel_count(counts),
+        "rows_kernel": args.rows_kernel,
         "by_primitive": counts,
     }
     print(
@@ -120,7 +227,13 @@ def main() -> None:
         f"{result['nodes']} nodes, {result['kernels']} of them kernels",
         file=sys.stderr,
     )
-    write_json(result, args.out)
+    if args.pipelined:
+        result["pipelined_ms"] = pipelined_split(model, state, prefill_logits, args.pipelined)
+        print(f"pipelined: {result['pipelined_ms']}", file=sys.stderr)
+    if args.device:
+        result["device"] = device_ms(model, state, token, args.device)
+        print(f"device: {result['device']}", file=sys.stderr)
+    return result
 
 
 if __name__ == "__main__":
