@@ -31,6 +31,7 @@ import functools
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .decode_attention import ASYNC_COPIES  # cp.async's commit and wait
 from .jit import cuda_kernel
@@ -66,6 +67,11 @@ ACCUMULATORS = """
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ks = warp % KS, first = ks * 32 + lane, stride = 32 * KS;
     const long long n0 = ((long long)blockIdx.x * (WARPS / KS) + warp / KS) * NW;
+    // the weight row of the warp's output j: n0 + j, or for SWIGLU (NW even) its pairs'
+    // gate and up rows, q and q + N / 2 for q = (n0 + j) / 2
+    auto row = [&](int j) -> long long {
+        return SWIGLU ? (n0 >> 1) + (j >> 1) + (j & 1) * (N >> 1) : n0 + j;
+    };
     const W* wv = reinterpret_cast<const W*>(w);
     float acc[R][NW];
 #pragma unroll
@@ -77,7 +83,7 @@ WALK = """
     auto load = [&](W (&wr)[NW], int c) {
 #pragma unroll
         for (int j = 0; j < NW; ++j)
-            wr[j] = n0 + j < N ? wv[(n0 + j) * KV + c] : W{};
+            wr[j] = n0 + j < N ? wv[row(j) * KV + c] : W{};
     };
     int c = first;
     for (; c + stride * (U - 1) < KV; c += stride * U) {
@@ -106,7 +112,7 @@ STAGED_WALK = """
             const int c = first + stride * i;
 #pragma unroll
             for (int j = 0; j < NW; ++j)
-                if (n0 + j < N) copy_chunk(slot + j * 32 + lane, wv + (n0 + j) * KV + c);
+                if (n0 + j < N) copy_chunk(slot + j * 32 + lane, wv + row(j) * KV + c);
         }
         qwen38_dattn::cp_async_commit();            // empty past the end: the count stays
     };
@@ -133,11 +139,8 @@ REDUCE = """
             float v = acc[r][j];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-            if (KS == 1) {
-                if (lane == 0 && n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
-            } else if (lane == 0) {
-                split_sums[(r * NW + j) * WARPS + warp] = v;
-            }
+            acc[r][j] = v;
+            if (KS > 1 && lane == 0) split_sums[(r * NW + j) * WARPS + warp] = v;
         }
     if (KS > 1) {
         __syncthreads();
@@ -150,11 +153,41 @@ REDUCE = """
                     float v = part[0];
 #pragma unroll
                     for (int q = 1; q < KS; ++q) v += part[q];
-                    if (n0 + j < N) y[(long long)r * N + n0 + j] = T(v);
+                    acc[r][j] = v;
                 }
         }
     }
+    if (ks == 0 && lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int j = 0; j < NW; ++j) {
+                if (n0 + j >= N) continue;
+                const long long i = (long long)r * N + n0 + j;
+                __STORE__
+            }
+    }
 """
+
+# How a launch stores output j of row r (its fp32 sum acc[r][j], flat index i), by epilogue:
+# plain; RESIDUAL: res + the product as T (then as O: the output's dtype), as an add of the
+# product with res cast to T computes it; SWIGLU: silu(gate) * up from a warp's pair (gate at
+# even j, up next to it), with MLX's own ops (its headers), as nn.silu(gate) * up computes it.
+STORES = {
+    "": "y[i] = T(acc[r][j]);",
+    "residual": "y[i] = static_cast<O>(mlx::core::cu::Add{}(static_cast<T>(res[i]), "
+    "T(acc[r][j])));",
+    "swiglu": """if (j & 1) continue;
+const T g = T(acc[r][j]), u = T(acc[r][j + 1]);
+using namespace mlx::core::cu;
+y[i >> 1] = Multiply{}(Multiply{}(g, Sigmoid{}(g)), u);""",
+}
+EPILOGUE_HEADERS = {
+    "": "",
+    "residual": '#include "mlx/backend/cuda/device/binary_ops.cuh"\n',
+    "swiglu": '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
+    '#include "mlx/backend/cuda/device/binary_ops.cuh"\n',
+}
 
 # A lane's chunk of a weight row: C elements of T as one 16- or 8-byte load, and as floats.
 # (Kept short: MLX hashes a kernel's whole source at every launch it encodes.)
@@ -258,15 +291,20 @@ _STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahe
 
 
 @functools.cache
-def _kernel(staged: bool, shared_bytes: int):
+def _kernel(staged: bool, shared_bytes: int, epilogue: str = ""):
     """The product with the register walk, or with the staged walk, and that much shared
-    memory (the staged walk's copies, then x's copy)."""
+    memory (the staged walk's copies, then x's copy), storing its outputs as `epilogue`
+    says (STORES)."""
+    source = (_STAGED_SOURCE if staged else _SOURCE).replace("__THREADS__", str(THREADS))
     return cuda_kernel(
-        name="qwen38_rows_matmul_staged" if staged else "qwen38_rows_matmul",
-        input_names=["x", "w"],
+        name="_".join(["qwen38_rows_matmul", *(["staged"] if staged else []), epilogue]).strip("_"),
+        input_names=["x", "w", "res"] if epilogue == "residual" else ["x", "w"],
         output_names=["y"],
-        source=(_STAGED_SOURCE if staged else _SOURCE).replace("__THREADS__", str(THREADS)),
-        header=CHUNKS + X_LOAD + (ASYNC_COPIES + COPY_CHUNK if staged else ""),
+        source=source.replace("__STORE__", STORES[epilogue]),
+        header=EPILOGUE_HEADERS[epilogue]
+        + CHUNKS
+        + X_LOAD
+        + (ASYNC_COPIES + COPY_CHUNK if staged else ""),
         shared_memory=shared_bytes,
     )
 
@@ -297,17 +335,30 @@ def _split(n: int) -> int:
     return SPLIT_K if n <= SPLIT_K_MAX_N else 1
 
 
-def _shape(rows: int, chunk_bytes: int) -> tuple[int, int]:
+def _shape(rows: int, chunk_bytes: int, pairs: bool = False) -> tuple[int, int]:
     """(outputs per warp, chunks a lane loads per output before using them) for a launch of
-    `rows` rows: LOADS x 16 bytes in flight per lane."""
+    `rows` rows: LOADS x 16 bytes in flight per lane; `pairs`: an even count of outputs."""
     nw = OUTPUTS_PER_WARP.get(rows, WIDE_OUTPUTS)
+    nw += nw % 2 if pairs else 0
     return nw, max(LOADS * 16 // chunk_bytes // nw, 1)
 
 
-def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+def rows_matmul(
+    x: mx.array,
+    w: mx.array,
+    *,
+    residual: mx.array | None = None,
+    dtype: mx.Dtype | None = None,
+    swiglu: bool = False,
+) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in w's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x of w's dtype, or fp32 for a half-precision w
-    (rounded to w's dtype as it is read); K % (16 bytes of w) == 0."""
+    (rounded to w's dtype as it is read); K % (16 bytes of w) == 0.
+
+    Epilogues (each output as the ops after the product would compute it, one launch
+    instead of two): `residual` [R, N] (w's dtype, or fp32 holding values of it): residual
+    + the product in w's dtype, then cast to `dtype` (default w's); `swiglu`: w's rows are a
+    fused [gate; up] pair of N / 2 each, the output [R, N / 2] is silu(gate) * up."""
     n, k, size = w.shape[0], w.shape[1], w.dtype.size
     copy_x = X_SHARED == "all" or (x.dtype != w.dtype and X_SHARED == "wide")
     if copy_x and min(x.shape[0], ROWS_PER_LAUNCH) * k * size > X_SHARED_MAX:
@@ -315,12 +366,19 @@ def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
             x = x.astype(w.dtype)
         copy_x = False
     chunk = _chunk(w.dtype)
-    template = [("T", w.dtype), ("X", x.dtype), ("C", chunk)]
+    epilogue = "swiglu" if swiglu else "residual" if residual is not None else ""
+    template = [("T", w.dtype), ("X", x.dtype), ("C", chunk), ("SWIGLU", swiglu)]
+    out_dtype = w.dtype
+    if residual is not None:
+        out_dtype = dtype or w.dtype
+        template.append(("O", out_dtype))
 
     def launch(rows: int) -> tuple:
-        return _launch(rows, n, chunk * size, rows * k * size if copy_x else 0)
+        return _launch(rows, n, chunk * size, rows * k * size if copy_x else 0, epilogue)
 
-    return launch_in_parts(launch, x, [w], n, template, w.dtype)
+    by_rows = [] if residual is None else [residual]
+    width = n // 2 if swiglu else n
+    return launch_in_parts(launch, x, [w], n, template, out_dtype, by_rows, width)
 
 
 def _chunk(dtype: mx.Dtype) -> int:
@@ -328,40 +386,51 @@ def _chunk(dtype: mx.Dtype) -> int:
     return max(CHUNK_BYTES // dtype.size, 4)
 
 
-def _launch(rows: int, n: int, chunk_bytes: int, x_bytes: int) -> tuple:
+def _launch(rows: int, n: int, chunk_bytes: int, x_bytes: int, epilogue: str = "") -> tuple:
     """(kernel, template constants) of a launch of `rows` rows and `n` outputs, with x's
-    rows copied to `x_bytes` of shared memory (0: read in place)."""
-    nw, loads = _shape(rows, chunk_bytes)
+    rows copied to `x_bytes` of shared memory (0: read in place); a swiglu epilogue takes
+    its outputs in pairs (an even count per warp)."""
+    nw, loads = _shape(rows, chunk_bytes, pairs=epilogue == "swiglu")
     shape = [("R", rows), ("NW", nw), ("KS", _split(n)), ("XS", x_bytes > 0)]
     if rows >= STAGED_FROM:
         stages = STAGES * 16 // chunk_bytes  # the same bytes in flight for either chunk
         slots = THREADS * stages * nw * chunk_bytes
-        kernel = _kernel(True, slots + x_bytes)
+        kernel = _kernel(True, slots + x_bytes, epilogue)
         return kernel, [*shape, ("XO", slots), ("S", stages)]
-    return _kernel(False, x_bytes), [*shape, ("XO", 0), ("U", loads)]
+    return _kernel(False, x_bytes, epilogue), [*shape, ("XO", 0), ("U", loads)]
 
 
 def launch_in_parts(
-    launch, x: mx.array, operands: list, n: int, template: list, dtype: mx.Dtype | None = None
+    launch,
+    x: mx.array,
+    operands: list,
+    n: int,
+    template: list,
+    dtype: mx.Dtype | None = None,
+    by_rows: list | None = None,
+    width: int | None = None,
 ) -> mx.array:
     """A row-invariant product over x [R, ...]'s rows, at most ROWS_PER_LAUNCH per launch:
     `launch(rows)` -> (kernel, its row constants: R, NW, KS and the walk's), inputs
-    [part, *operands], `template` first, output [rows, n] of `dtype` (default x's)."""
+    [part, *operands, *the same rows of by_rows], `template` first, output [rows, width]
+    (default n) of `dtype` (default x's); the grid covers n outputs."""
     outs = []
     for start in range(0, x.shape[0], ROWS_PER_LAUNCH):
         # one launch takes every row: no slice (a graph node the host encodes every step)
-        part = x if x.shape[0] <= ROWS_PER_LAUNCH else x[start : start + ROWS_PER_LAUNCH]
+        whole = x.shape[0] <= ROWS_PER_LAUNCH
+        part = x if whole else x[start : start + ROWS_PER_LAUNCH]
+        rows_of = [a if whole else a[start : start + ROWS_PER_LAUNCH] for a in by_rows or []]
         rows = part.shape[0]
         kernel, constants = launch(rows)
         shape = dict(constants)
         per_block = shape["NW"] * THREADS // 32 // shape.get("KS", 1)
         outs.append(
             kernel(
-                inputs=[part, *operands],
+                inputs=[part, *operands, *rows_of],
                 template=[*template, *constants],
                 grid=(-(-n // per_block) * THREADS, 1, 1),
                 threadgroup=(THREADS, 1, 1),
-                output_shapes=[(rows, n)],
+                output_shapes=[(rows, width or n)],
                 output_dtypes=[dtype or x.dtype],
             )[0]
         )
@@ -393,7 +462,7 @@ def probe_rows(fn, x: mx.array, want: mx.array, slack: float, what: str) -> bool
     return True
 
 
-def fits(x: mx.array, w: mx.array) -> bool:
+def fits(x: mx.array, w: mx.array, residual: mx.array | None = None, swiglu: bool = False) -> bool:
     """Whether rows_matmul takes these operands (shapes and dtypes; not the probe)."""
     vec = 16 // w.dtype.size
     return (
@@ -403,6 +472,14 @@ def fits(x: mx.array, w: mx.array) -> bool:
         and w.dtype in DTYPES
         and x.shape[1] == w.shape[1]
         and x.shape[1] % vec == 0
+        and (
+            residual is None
+            or (
+                residual.shape == (x.shape[0], w.shape[0])
+                and residual.dtype in (w.dtype, mx.float32)
+            )
+        )
+        and (not swiglu or (residual is None and w.shape[0] % 2 == 0))
     )
 
 
@@ -428,6 +505,47 @@ def available(dtype: mx.Dtype) -> bool:
     if not probe_rows(lambda part: rows_matmul(part, w), x, want, 1e-4, "rows matmul kernel"):
         return False
     return dtype == mx.float32 or _wide_rows_agree(x, w)
+
+
+@functools.cache
+def epilogues_available(dtype: mx.Dtype) -> bool:
+    """True when the product runs here (available) and its epilogues store what the ops
+    after a plain product compute, bit for bit: residual + product (then cast to fp32) and
+    silu(gate) * up (probed once per dtype; a disagreement warns). QWEN38_ROWS_EPILOGUES:
+    auto | off | force (skip the probe)."""
+    choice = kernel_switch("QWEN38_ROWS_EPILOGUES")
+    if choice == "off" or not available(dtype):
+        return False
+    if choice == "force":
+        return True
+    kx, kw, kr = mx.random.split(mx.random.key(13), 3)
+    rows, k, n = 3, 64 * (16 // dtype.size), 2 * 701  # odd pairs: a partial last warp
+    x = mx.random.normal((rows, k), key=kx).astype(dtype)
+    w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(dtype)
+    res = (4 * mx.random.normal((rows, n), key=kr)).astype(dtype)
+    try:
+        plain = rows_matmul(x, w)
+        gate, up = mx.split(plain, 2, axis=-1)
+        pairs = [
+            (rows_matmul(x, w, residual=res), res + plain),
+            (
+                rows_matmul(x, w, residual=res.astype(mx.float32), dtype=mx.float32),
+                (res + plain).astype(mx.float32),
+            ),
+            (rows_matmul(x, w, swiglu=True), _swiglu(gate, up)),
+        ]
+        same = all(mx.array_equal(got, want).item() for got, want in pairs)
+    except Exception as e:  # noqa: BLE001 - any failure means: the ops run after the product
+        warnings.warn(f"rows matmul epilogues unavailable ({e})", stacklevel=2)
+        return False
+    if not same:
+        warnings.warn("rows matmul epilogues disagree with the ops they replace", stacklevel=2)
+    return same
+
+
+@mx.compile
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
 
 
 def _wide_rows_agree(x: mx.array, w: mx.array) -> bool:

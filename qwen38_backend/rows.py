@@ -256,15 +256,24 @@ def exact_rows(net: nn.Module | None = None, dtype: mx.Dtype | None = None) -> i
     return STEP_MAX_ROWS if mx.default_device().type == mx.DeviceType.cpu else 1
 
 
-def project(linear: nn.Module, x: mx.array) -> mx.array:
+def project(
+    linear: nn.Module,
+    x: mx.array,
+    residual: mx.array | None = None,
+    dtype: mx.Dtype | None = None,
+) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
     where `prepare` chose it, a quantized one as `quantized_plan` decided, else fewer than
     pad_rows() rows padded; on the CPU each row of a step alone (module docstring).
 
     An fp32 x for a half-precision linear (a norm's rows before their cast back:
     RMSNorm.for_product) is rounded to the linear's dtype first, as a cast would (the kernel
-    does it as it loads x: one launch fewer)."""
-    y = _kernel_product(linear, x)
+    does it as it loads x: one launch fewer).
+
+    `residual`: residual + linear(x) instead, the residual cast to the product's dtype first
+    (exact where it is fp32 holding values of that dtype), then cast to `dtype` when given;
+    the kernel adds it as it stores its outputs (one launch fewer)."""
+    y = _kernel_product(linear, x, residual, dtype)
     if y is not None:
         return y
     x = _narrowed(linear, x)
@@ -274,8 +283,19 @@ def project(linear: nn.Module, x: mx.array) -> mx.array:
         pad = 1  # MLX's product computes each of these few rows alone (quantized_plan)
     split = _PLAN.get()[2]
     if split is None or (split != "all" and _linear_key(linear) not in split):
-        return _padded(linear, x, pad)
-    return _row_by_row(lambda part: _padded(linear, part, pad), x)
+        y = _padded(linear, x, pad)
+    else:
+        y = _row_by_row(lambda part: _padded(linear, part, pad), x)
+    if residual is not None:
+        y = residual.astype(y.dtype) + y
+    return y if dtype is None else y.astype(dtype)
+
+
+def swiglu_product(linear: nn.Module, x: mx.array) -> mx.array | None:
+    """silu(gate) * up of a fused [gate; up] linear's product with x, through the
+    row-invariant kernel (its epilogue: one launch fewer) where this forward's plan runs it
+    for these operands, else None (the caller splits project's output)."""
+    return _kernel_product(linear, x, swiglu=True)
 
 
 def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
@@ -293,19 +313,32 @@ def per_row(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
     return _row_by_row(fn, x)
 
 
-def _kernel_product(linear, x: mx.array) -> mx.array | None:
+def _kernel_product(
+    linear,
+    x: mx.array,
+    residual: mx.array | None = None,
+    dtype: mx.Dtype | None = None,
+    swiglu: bool = False,
+) -> mx.array | None:
     """linear(x) through kernels/rows_matmul.py where this forward's plan runs it and it
     takes these operands (a dense weight of the kernel's dtype, a step's rows of that dtype
-    or fp32), else None."""
+    or fp32), else None; `residual` / `swiglu` as its epilogues (project, swiglu_product),
+    where they passed their probe and the rows are 2-D."""
     kernel_for = _PLAN.get()[1]
     if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
         return None
     weight, bias = _dense_weight(linear)
     if weight is None or weight.dtype != kernel_for:  # the dtype the kernel's probe passed
         return None
+    kernels = _kernel_module()
+    if residual is not None or swiglu:
+        if bias is not None or x.ndim != 2 or not kernels.epilogues_available(weight.dtype):
+            return None
+        if not kernels.fits(x, weight, residual, swiglu):
+            return None
+        return kernels.rows_matmul(x, weight, residual=residual, dtype=dtype, swiglu=swiglu)
     # a step's 2-D rows go in and come out as they are (a reshape is a node to encode too)
     flat = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-    kernels = _kernel_module()
     if flat.shape[0] > STEP_MAX_ROWS or not kernels.fits(flat, weight):
         return None
     y = kernels.rows_matmul(flat, weight)

@@ -235,26 +235,35 @@ def test_product_of_fp32_rows_rounds_them_first(kind):
 
 
 def test_residual_step_sums_once_per_consumer():
-    """residual_step's two spellings of h + out are not merged by compile (each fuses into
-    its consumer: one kernel fewer than a shared sum) and give the plain form's bits."""
-    from qwen38_backend.models.layers import RMSNorm, residual_step
+    """residual_step holds s = h + out_proj(a) in the norm's fp32 (no shared bf16 sum of its
+    own: the sum fuses with the cast the norm needs, the cast back with the last sum: one
+    kernel fewer than the plain form) and gives the plain form's bits (the op path; the
+    kernel's epilogues: tests/test_gpu.py)."""
+    import mlx.nn as nn
+
+    from qwen38_backend.models.layers import RMSNorm, SwiGLU, residual_step
 
     norm = RMSNorm(64, 1e-6, zero_centered=True)
     norm.weight = mx.random.normal((64,), key=mx.random.key(5)) * 0.1
     norm.fuse()
-    w = mx.random.normal((64, 64), key=mx.random.key(6)).astype(mx.bfloat16) * 0.1
+    out_proj = nn.Linear(64, 64, bias=False)
+    mlp = SwiGLU(64, 128)
+    for module in (out_proj, mlp):
+        module.set_dtype(mx.bfloat16)
+    mlp.fuse()
 
-    def mlp(x):
-        return x.astype(mx.bfloat16) @ w
+    def plain(h, a):
+        s = h + out_proj(a)
+        return s + mlp(norm(s))
 
-    def plain(h, out):
-        h = h + out
-        return h + mlp(norm(h))
+    def fused(h, a):
+        return residual_step(h, a, out_proj, norm, mlp)
 
-    h, out = (mx.random.normal((1, 64), key=mx.random.key(k)).astype(mx.bfloat16) for k in (7, 8))
-    mx.eval(h, out, w, norm.parameters())  # the graphs below are the step's alone
-    fused = mx.compile(lambda a, b: residual_step(a, b, norm, mlp))
-    assert mx.array_equal(fused(h, out), mx.compile(plain)(h, out)).item()
+    h, a = (mx.random.normal((1, 64), key=mx.random.key(k)).astype(mx.bfloat16) for k in (7, 8))
+    mx.eval(h, a, out_proj.parameters(), mlp.parameters(), norm.parameters())
+    got = mx.compile(fused)(h, a)
+    assert got.dtype == mx.bfloat16
+    assert mx.array_equal(got, mx.compile(plain)(h, a)).item()
 
     def nodes(fn) -> list[str]:
         import re
@@ -263,9 +272,9 @@ def test_residual_step_sums_once_per_consumer():
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "g.dot"
-            mx.export_to_dot(str(path), mx.compile(fn)(h, out))
+            mx.export_to_dot(str(path), mx.compile(fn)(h, a))
             return re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', path.read_text())
 
-    before, after = nodes(plain), nodes(lambda a, b: residual_step(a, b, norm, mlp))
+    before, after = nodes(plain), nodes(fused)
     assert before.count("Add") == 2 and "Add" not in after  # the shared sum, the last add
     assert len(after) == len(before) - 1

@@ -463,6 +463,73 @@ def test_rows_matmul_rounds_fp32_rows_as_a_cast(dtype, chunk_bytes, monkeypatch)
                 assert mx.array_equal(got, want).item(), (n, k, rows)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_rows_matmul_epilogues_store_what_the_ops_compute(dtype):
+    """The product's epilogues give, bit for bit and at every row count, what the ops after
+    a plain product compute: residual + product (residual of w's dtype, or fp32 holding its
+    values, output cast to fp32) and the compiled silu(gate) * up of a fused [gate; up]
+    product; their rows equal one-row launches."""
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    from qwen38_backend.models.layers import swiglu
+
+    assert kernel.epilogues_available(dtype)
+    for n, k in ((2 * 17408, 5120), (5120, 6144), (2 * 501, 264)):
+        kx, kw, kr = mx.random.split(mx.random.key(n + 2), 3)
+        x = mx.random.normal((16, k), key=kx).astype(dtype)
+        w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(dtype)
+        res = (4 * mx.random.normal((16, n), key=kr)).astype(dtype)
+        one = [kernel.rows_matmul(x[i : i + 1], w, swiglu=True) for i in range(16)]
+        alone = mx.concatenate(one)
+        for rows in (1, 2, 3, 5, 9, 16):
+            plain = kernel.rows_matmul(x[:rows], w)
+            fused = kernel.rows_matmul(x[:rows], w, swiglu=True)
+            assert mx.array_equal(fused, swiglu(*mx.split(plain, 2, axis=-1))).item(), (n, rows)
+            assert mx.array_equal(fused, alone[:rows]).item(), (n, rows)
+            got = kernel.rows_matmul(x[:rows], w, residual=res[:rows])
+            assert got.dtype == dtype
+            assert mx.array_equal(got, res[:rows] + plain).item(), (n, rows)
+            wide = res[:rows].astype(mx.float32)
+            got = kernel.rows_matmul(x[:rows], w, residual=wide, dtype=mx.float32)
+            assert got.dtype == mx.float32
+            assert mx.array_equal(got, (res[:rows] + plain).astype(mx.float32)).item(), (n, rows)
+
+
+def test_step_epilogues_keep_the_step_and_drop_its_sums(tmp_path, monkeypatch):
+    """A bf16 decode step with the products' epilogues gives the logits of the same step
+    with the sums and silu(gate) * up as ops after the products, bit for bit, and its graph
+    has fewer nodes (each model loaded apart: a compiled piece keeps what it traced)."""
+    import re
+
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    path = make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")
+
+    def step(epilogues: str) -> tuple[mx.array, int]:
+        monkeypatch.setenv("QWEN38_ROWS_EPILOGUES", epilogues)
+        kernel.epilogues_available.cache_clear()
+        model = qwen38_backend.load(str(path), dtype="bfloat16")
+        state = model.new_state()
+        mx.eval(model.forward([5, 6, 7, 8], state, last_only=True))
+        model.forward([9], state, last_only=True)  # the first step traces the pieces
+        logits = model.forward([10], state, last_only=True)
+        dot = tmp_path / f"step_{epilogues}.dot"
+        mx.export_to_dot(str(dot), logits)
+        mx.eval(logits)
+        return logits, len(re.findall(r"shape=rectangle", dot.read_text()))
+
+    try:
+        fused, fused_nodes = step("auto")
+        plain, plain_nodes = step("off")
+    finally:
+        kernel.epilogues_available.cache_clear()
+    assert mx.array_equal(fused, plain).item()
+    assert fused_nodes < plain_nodes, (fused_nodes, plain_nodes)
+
+
 def test_step_products_take_the_norms_fp32_rows(tmp_path, monkeypatch):
     """A bf16 decode step hands the zero-centred norms' fp32 rows to the row-invariant
     products (no cast kernel between them), and its graph has no per-token 1 + w: fewer nodes
@@ -484,7 +551,9 @@ def test_step_products_take_the_norms_fp32_rows(tmp_path, monkeypatch):
     state.save_point()  # each step below goes back to it
     seen = []  # x's dtype per product as the first step traces its compiled pieces
     run = kernel.rows_matmul
-    monkeypatch.setattr(kernel, "rows_matmul", lambda x, w: seen.append(x.dtype) or run(x, w))
+    monkeypatch.setattr(
+        kernel, "rows_matmul", lambda x, w, **kw: seen.append(x.dtype) or run(x, w, **kw)
+    )
 
     def step_nodes() -> int:
         logits = model.forward([9], state, last_only=True)

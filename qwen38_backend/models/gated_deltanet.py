@@ -244,7 +244,13 @@ class GatedDeltaNet(nn.Module):
         self._kernel_checked = str(dtype)
 
     def step(self, x: mx.array, conv: mx.array, recurrent: mx.array):
-        """Pure form of the few-token path: (output [T, hidden], then what
+        """Pure form of the few-token path: (output [T, hidden], then what step_rows
+        returns after its rows)."""
+        o, *rest = self.step_rows(x, conv, recurrent)
+        return project(self.out_proj, o), *rest
+
+    def step_rows(self, x: mx.array, conv: mx.array, recurrent: mx.array):
+        """The few-token path before out_proj: (out_proj's input rows [T, value_dim], then what
         GatedDeltaNetState.advance takes: the conv history after the last row, the conv
         inputs [history; rows] (T > 1; else the history), the recurrent state after each row
         [T, Hv, Dv, Dk]). Row i is what a one-row step at its position computes: the CUDA
@@ -274,7 +280,7 @@ class GatedDeltaNet(nn.Module):
             o = outs[0] if T == 1 else mx.concatenate(outs, axis=0)
             states = mx.stack(rows)
         inputs = mx.concatenate([conv, qkv], axis=0) if T > 1 else last
-        return project(self.out_proj, o), last, inputs, states
+        return o, last, inputs, states
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..rows import STEP_MAX_ROWS, forward_pad, kernel_dtype, project, quantized_mode, split_rows
+from ..rows import (
+    STEP_MAX_ROWS,
+    forward_pad,
+    kernel_dtype,
+    project,
+    quantized_mode,
+    split_rows,
+    swiglu_product,
+)
 from .parallel import ranks, require_divisible, split_inputs_of, split_outputs_of, summed_over
 
 
@@ -54,6 +62,11 @@ class RMSNorm(nn.Module):
         # casts x up itself; one launch doing cast, norm and cast back decoded slower on the
         # H200 (results/h200/norm_kernel_*_4k.json)
         return mx.fast.rms_norm(x, self.scale(), self.eps)
+
+    def compute_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
+        """The dtype this norm computes rows of `dtype` in: fp32 for the zero-centred form
+        (its scale is fp32, so MLX casts the rows up first), else `dtype`."""
+        return mx.float32 if self.zero_centered else dtype
 
     def scale(self) -> mx.array:
         """1 + w in fp32: the folded parameter once `fuse()` ran (a compiled step replays its
@@ -272,10 +285,12 @@ class Attention(nn.Module):
 
     def output(self, out: mx.array, gate: mx.array | None) -> mx.array:
         """Attention output [1, H, T, D] -> gated (if any) and projected [T, hidden]."""
+        return project(self.o_proj, self.gated(out, gate))
+
+    def gated(self, out: mx.array, gate: mx.array | None) -> mx.array:
+        """Attention output [1, H, T, D] -> o_proj's input rows [T, H * D], gated (if any)."""
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[2], -1)
-        if gate is not None:
-            out = out * mx.sigmoid(gate)
-        return project(self.o_proj, out)
+        return out if gate is None else out * mx.sigmoid(gate)
 
     def __call__(self, x: mx.array, kv, offset: int | mx.array) -> mx.array:
         q, k, v, gate = self.project_qkv(x, offset)
@@ -332,18 +347,22 @@ class PreNormBlock(nn.Module):
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attention_out(self, h: mx.array, out: mx.array, gate: mx.array | None = None):
+        attn = self.self_attn
         return residual_step(
-            h, self.self_attn.output(out, gate), self.post_attention_layernorm, self.mlp
+            h, attn.gated(out, gate), attn.o_proj, self.post_attention_layernorm, self.mlp
         )
 
 
-def residual_step(h: mx.array, out: mx.array, norm: RMSNorm, mlp: nn.Module) -> mx.array:
-    """(h + out) + mlp(norm(h + out)) inside a compiled step, with no kernel of its own for
-    the sum h + out: it is spelled in both orders, which compile does not merge into one shared
-    node (the bits are the same: addition commutes), so one copy fuses into the norm's cast up
-    and the other into the last add."""
-    y = mlp(norm.for_product(h + out))
-    return (out + h) + y
+def residual_step(
+    h: mx.array, a: mx.array, out_proj: nn.Module, norm: RMSNorm, mlp: nn.Module
+) -> mx.array:
+    """s + mlp(norm(s)) for s = h + out_proj(a), inside a compiled step, the sums in the
+    products' epilogues where the row-invariant kernel runs them (rows.project: no kernel of
+    their own). s is kept in the dtype the norm computes in (fp32 for a zero-centred norm of
+    half-precision rows: exact, and what the norm would cast it to first), so nothing casts
+    it between the two; the last sum casts it back to h's dtype, as the sum of h's dtype was."""
+    s = project(out_proj, a, residual=h, dtype=norm.compute_dtype(h.dtype))
+    return mlp(norm.for_product(s), residual=s)
 
 
 @mx.compile
@@ -380,9 +399,13 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self["gate_proj"], self["up_proj"]
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """down(silu(gate(x)) * up(x)), plus `residual` (rows.project) when given."""
+        y = None
         if "gate_up_proj" in self:
-            gate, up = mx.split(project(self.gate_up_proj, x), 2, axis=-1)
+            y = swiglu_product(self.gate_up_proj, x)
+            if y is None:
+                y = swiglu(*mx.split(project(self.gate_up_proj, x), 2, axis=-1))
         else:
-            gate, up = project(self.gate_proj, x), project(self.up_proj, x)
-        return project(self.down_proj, swiglu(gate, up))
+            y = swiglu(project(self.gate_proj, x), project(self.up_proj, x))
+        return project(self.down_proj, y, residual=residual)

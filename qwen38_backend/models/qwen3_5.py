@@ -83,8 +83,10 @@ class Qwen35Block(PreNormBlock):
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
         x = self.input_layernorm.for_product(h)
-        out, *rows = self.linear_attn.step(x, conv, recurrent)
-        return residual_step(h, out, self.post_attention_layernorm, self.mlp), *rows
+        mixer = self.linear_attn
+        o, *rows = mixer.step_rows(x, conv, recurrent)
+        post = self.post_attention_layernorm
+        return residual_step(h, o, mixer.out_proj, post, self.mlp), *rows
 
 
 class Qwen35Body(nn.Module):
