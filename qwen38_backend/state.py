@@ -266,15 +266,20 @@ class SequenceState:
         state is marked first) while the device runs them, instead of waiting for each
         attention layer's selection. A wrong guess (a selected page was on disk) has been
         fetched by `check_guess()`: the layers since get their marked state back and the
-        loop runs again from the guessing layer, which then attends on the fetched pages."""
+        loop runs again from the guessing layer, which then attends on the fetched pages.
+
+        A block may hand the next one its output in a wider dtype that holds it exactly
+        (layers.residual_step: fp32, so the next norm need not cast it): the last output is
+        cast back to h's dtype."""
         if len(blocks) != len(self.layers):
             raise ValueError(f"{len(blocks)} layers for a state of {len(self.layers)}")
         eager = self.eager_layers(rows)
+        dtype = h.dtype
         if rows != 1 or not self.reads_back():
             for i, block in enumerate(blocks):
                 h = block(h, self.layers[i], offset)
                 self.layer_built(i, h, rows, eager)
-            return h
+            return h.astype(dtype)
         token = _CHECKS_LATER.set(True)
         try:
             i, n = 0, len(blocks)
@@ -292,7 +297,7 @@ class SequenceState:
                         i, h = at, h_in
                         continue
                 if layer is None:
-                    return h
+                    return h.astype(dtype)
                 if guess is not None:
                     guess[2].append((layer, layer.mark()))
                 h_in, h = h, blocks[i](h, layer, offset)

@@ -30,7 +30,7 @@ def decode_logits(net, ids: list[int], steps: int, factory=ContiguousKV) -> np.n
     for token in ids[-steps:]:
         rows.append(net(mx.array([token]), state, last_only=True)[-1])
         state.advance([token])
-    return np.array(mx.stack(rows))
+    return np.array(mx.stack(rows).astype(mx.float32))  # exact for bf16 logits
 
 
 def tiny_qwen3_5(tmp_path):
@@ -55,6 +55,20 @@ def test_compiled_step_equals_op_by_op(tmp_path, op_by_op, factory):
     for name, net in nets(tmp_path):
         reference = decode_logits(net, ids, 30, factory)
         np.testing.assert_allclose(compiled[name], reference, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_bf16_compiled_step_equals_op_by_op_bit_for_bit(tmp_path, op_by_op):
+    """In bf16 the compiled step (its block outputs and sums held in fp32, exact: no cast
+    between the blocks, residual_step) gives the op-by-op blocks' logits bit for bit."""
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    path = make_tiny_weights("qwen3_5", tmp_path / "q", seed=5, dtype="bfloat16")
+    ids = prompt(24, 256, seed=4)
+    compiled = decode_logits(qwen38_backend.load(str(path), dtype="bfloat16").net, ids, 6)
+    op_by_op()
+    reference = decode_logits(qwen38_backend.load(str(path), dtype="bfloat16").net, ids, 6)
+    np.testing.assert_array_equal(compiled, reference)
 
 
 def test_compiled_step_sees_replaced_weights(tmp_path, op_by_op):
@@ -94,7 +108,7 @@ def detour_then_decode(net, ids: list[int], steps: int, factory) -> np.ndarray:
     for token in ids[-steps:]:
         rows.append(net(mx.array([token]), state, last_only=True)[-1])
         state.advance([token])
-    return np.array(mx.stack(rows))
+    return np.array(mx.stack(rows).astype(mx.float32))  # exact for bf16 logits
 
 
 def compiled_methods(module) -> set[str]:
@@ -235,10 +249,10 @@ def test_product_of_fp32_rows_rounds_them_first(kind):
 
 
 def test_residual_step_sums_once_per_consumer():
-    """residual_step holds s = h + out_proj(a) in the norm's fp32 (no shared bf16 sum of its
-    own: the sum fuses with the cast the norm needs, the cast back with the last sum: one
-    kernel fewer than the plain form) and gives the plain form's bits (the op path; the
-    kernel's epilogues: tests/test_gpu.py)."""
+    """residual_step holds s = h + out_proj(a) and its output in the norm's fp32 (no shared
+    bf16 sum of its own: the sum fuses with the cast the norm needs, the cast back with the
+    last sum: one kernel fewer than the plain form) and gives the plain form's bits (the op
+    path; the kernel's epilogues: tests/test_gpu.py)."""
     import mlx.nn as nn
 
     from qwen38_backend.models.layers import RMSNorm, SwiGLU, residual_step
@@ -262,8 +276,9 @@ def test_residual_step_sums_once_per_consumer():
     h, a = (mx.random.normal((1, 64), key=mx.random.key(k)).astype(mx.bfloat16) for k in (7, 8))
     mx.eval(h, a, out_proj.parameters(), mlp.parameters(), norm.parameters())
     got = mx.compile(fused)(h, a)
-    assert got.dtype == mx.bfloat16
-    assert mx.array_equal(got, mx.compile(plain)(h, a)).item()
+    assert got.dtype == mx.float32  # the norm's dtype, holding bf16 values
+    assert mx.array_equal(got, mx.compile(plain)(h, a).astype(mx.float32)).item()
+    assert mx.array_equal(got.astype(mx.bfloat16).astype(mx.float32), got).item()
 
     def nodes(fn) -> list[str]:
         import re

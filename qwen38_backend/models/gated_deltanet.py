@@ -339,8 +339,11 @@ def decode_step(block: nn.Module, h: mx.array, state: GatedDeltaNetState) -> mx.
     Gated DeltaNet mixer `block.linear_attn` (and whatever surrounds it) as one compiled
     graph, returning (h, *what GatedDeltaNetState.advance takes); advances `state`."""
     mixer = block.linear_attn
-    conv, recurrent = mixer.initial_state(state, h.dtype)
-    mixer.prepare_decode(h.dtype)  # outside the trace: the kernel probe runs ops
+    # the step's dtype is the model's (its conv weights'): h may come wider from the block
+    # before (layers.residual_step)
+    dtype = mixer.conv1d.weight.dtype
+    conv, recurrent = mixer.initial_state(state, dtype)
+    mixer.prepare_decode(dtype)  # outside the trace: the kernel probe runs ops
     h, *rows = compiled(block, "_linear_step")(h, conv, recurrent)
     state.advance(*rows)
     return h

@@ -358,11 +358,14 @@ def residual_step(
 ) -> mx.array:
     """s + mlp(norm(s)) for s = h + out_proj(a), inside a compiled step, the sums in the
     products' epilogues where the row-invariant kernel runs them (rows.project: no kernel of
-    their own). s is kept in the dtype the norm computes in (fp32 for a zero-centred norm of
-    half-precision rows: exact, and what the norm would cast it to first), so nothing casts
-    it between the two; the last sum casts it back to h's dtype, as the sum of h's dtype was."""
+    their own), each rounded to the products' dtype as a sum of that dtype is.
+
+    Both sums are stored in the dtype the norm computes in (fp32 for a zero-centred norm of
+    half-precision rows), which holds them exactly: nothing casts s for the norm, nor the
+    block's output for the next block's input norm (SequenceState.run_layers casts the last
+    one back). A sum cast back to the products' dtype first is exact."""
     s = project(out_proj, a, residual=h, dtype=norm.compute_dtype(h.dtype))
-    return mlp(norm.for_product(s), residual=s)
+    return mlp(norm.for_product(s), residual=s, dtype=s.dtype)
 
 
 @mx.compile
@@ -399,8 +402,10 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self["gate_proj"], self["up_proj"]
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        """down(silu(gate(x)) * up(x)), plus `residual` (rows.project) when given."""
+    def __call__(
+        self, x: mx.array, residual: mx.array | None = None, dtype: mx.Dtype | None = None
+    ) -> mx.array:
+        """down(silu(gate(x)) * up(x)), plus `residual` then cast to `dtype` (rows.project)."""
         y = None
         if "gate_up_proj" in self:
             y = swiglu_product(self.gate_up_proj, x)
@@ -408,4 +413,4 @@ class SwiGLU(nn.Module):
                 y = swiglu(*mx.split(project(self.gate_up_proj, x), 2, axis=-1))
         else:
             y = swiglu(project(self.gate_proj, x), project(self.up_proj, x))
-        return project(self.down_proj, y, residual=residual)
+        return project(self.down_proj, y, residual=residual, dtype=dtype)
