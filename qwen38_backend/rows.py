@@ -286,9 +286,7 @@ def project(
         y = _padded(linear, x, pad)
     else:
         y = _row_by_row(lambda part: _padded(linear, part, pad), x)
-    if residual is not None:
-        y = residual.astype(y.dtype) + y
-    return y if dtype is None else y.astype(dtype)
+    return _finished(y, residual, dtype)
 
 
 def swiglu_product(linear: nn.Module, x: mx.array) -> mx.array | None:
@@ -322,8 +320,10 @@ def _kernel_product(
 ) -> mx.array | None:
     """linear(x) through kernels/rows_matmul.py where this forward's plan runs it and it
     takes these operands (a dense weight of the kernel's dtype, a step's rows of that dtype
-    or fp32), else None; `residual` / `swiglu` as its epilogues (project, swiglu_product),
-    where they passed their probe and the rows are 2-D."""
+    or fp32), else None; `residual` (then `dtype`) and `swiglu` as project and
+    swiglu_product take them: in the kernel's epilogues where they passed their probe (2-D
+    rows, no bias), else a residual as ops after the kernel's product and no swiglu (None:
+    the caller splits the product)."""
     kernel_for = _PLAN.get()[1]
     if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
         return None
@@ -331,12 +331,12 @@ def _kernel_product(
     if weight is None or weight.dtype != kernel_for:  # the dtype the kernel's probe passed
         return None
     kernels = _kernel_module()
-    if residual is not None or swiglu:
-        if bias is not None or x.ndim != 2 or not kernels.epilogues_available(weight.dtype):
-            return None
-        if not kernels.fits(x, weight, residual, swiglu):
-            return None
-        return kernels.rows_matmul(x, weight, residual=residual, dtype=dtype, swiglu=swiglu)
+    fused = (residual is not None or swiglu) and bias is None and x.ndim == 2
+    if fused and kernels.epilogues_available(weight.dtype):
+        if kernels.fits(x, weight, residual, swiglu):
+            return kernels.rows_matmul(x, weight, residual=residual, dtype=dtype, swiglu=swiglu)
+    if swiglu:
+        return None
     # a step's 2-D rows go in and come out as they are (a reshape is a node to encode too)
     flat = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if flat.shape[0] > STEP_MAX_ROWS or not kernels.fits(flat, weight):
@@ -344,7 +344,15 @@ def _kernel_product(
     y = kernels.rows_matmul(flat, weight)
     if x.ndim != 2:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    return _finished(y if bias is None else y + bias, residual, dtype)
+
+
+def _finished(y: mx.array, residual: mx.array | None, dtype: mx.Dtype | None) -> mx.array:
+    """residual + y (the residual cast to y's dtype first), then cast to `dtype`: project's
+    epilogue as ops."""
+    if residual is not None:
+        y = residual.astype(y.dtype) + y
+    return y if dtype is None else y.astype(dtype)
 
 
 def _narrowed(linear, x: mx.array) -> mx.array:
