@@ -78,6 +78,8 @@ def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> Non
     differ from one-row products (all of them when `net` or `rows` is not given)."""
     kernels = _kernel_module()
     usable = kernels is not None and kernels.available(dtype)
+    if usable:
+        kernels.epilogues_available(dtype)  # probed here, read by each product in a trace
     pad = _device_pad()
     quantized = _NO_QUANTIZED
     if pad > 1 and net is not None:
