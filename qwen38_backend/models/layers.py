@@ -406,11 +406,8 @@ class SwiGLU(nn.Module):
         self, x: mx.array, residual: mx.array | None = None, dtype: mx.Dtype | None = None
     ) -> mx.array:
         """down(silu(gate(x)) * up(x)), plus `residual` then cast to `dtype` (rows.project)."""
-        y = None
-        if "gate_up_proj" in self:
-            y = swiglu_product(self.gate_up_proj, x)
-            if y is None:
-                y = swiglu(*mx.split(project(self.gate_up_proj, x), 2, axis=-1))
-        else:
+        if "gate_up_proj" not in self:
             y = swiglu(project(self.gate_proj, x), project(self.up_proj, x))
+        elif (y := swiglu_product(self.gate_up_proj, x)) is None:
+            y = swiglu(*mx.split(project(self.gate_up_proj, x), 2, axis=-1))
         return project(self.down_proj, y, residual=residual, dtype=dtype)
