@@ -58,18 +58,18 @@ MMA_BLOCKS = 64
 # length is host time per launch: jit.py). ASYNC_COPIES serves kernels/rows_matmul.py too.
 VECTORS = """
 namespace qwen38_dattn {
-// 16 bytes of T -> floats
+// 16 bytes of T -> floats (u by value: a reference bound to memory would be read piecewise)
 template <typename T> struct Vec;
 template <> struct Vec<float> {
   static constexpr int N = 4;
-  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
+  static __device__ __forceinline__ void to_float(const uint4 u, float* f) {
     f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
     f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
   }
 };
 template <> struct Vec<__nv_bfloat16> {
   static constexpr int N = 8;
-  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
+  static __device__ __forceinline__ void to_float(const uint4 u, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -80,7 +80,7 @@ template <> struct Vec<__nv_bfloat16> {
 };
 template <> struct Vec<__half> {
   static constexpr int N = 8;
-  static __device__ __forceinline__ void to_float(const uint4& u, float* f) {
+  static __device__ __forceinline__ void to_float(const uint4 u, float* f) {
     const __half2* h = reinterpret_cast<const __half2*>(&u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

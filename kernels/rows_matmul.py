@@ -198,7 +198,8 @@ template <> struct Bytes<16> { using type = uint4; };
 template <> struct Bytes<8> { using type = uint2; };
 template <typename T, int C> struct Chunk {
   using type = typename Bytes<C * sizeof(T)>::type;
-  static __device__ __forceinline__ void to_float(const type& u, float* f) {
+  // u by value: a reference bound to memory would be read element by element
+  static __device__ __forceinline__ void to_float(const type u, float* f) {
     const T* t = reinterpret_cast<const T*>(&u);
 #pragma unroll
     for (int e = 0; e < C; ++e) f[e] = static_cast<float>(t[e]);
@@ -226,7 +227,7 @@ template <typename T, typename X, int C>
 __device__ __forceinline__ void load_x(const X* x, long long i, float* f) {
   using Load = qwen38_rows::Chunk<T, C>;
   if constexpr (sizeof(X) == sizeof(T)) {  // X is T
-    Load::to_float(*reinterpret_cast<const typename Load::type*>(x + i), f);
+    Load::to_float(*reinterpret_cast<const typename Load::type*>(x + i), f);  // one load
   } else {                                 // X is float: C / 4 16-byte loads
     float4 u[C / 4];
 #pragma unroll
