@@ -579,6 +579,85 @@ def test_step_products_take_the_norms_fp32_rows(tmp_path, monkeypatch):
     assert step_nodes() - folded >= 2 * layers + 2 * attention
 
 
+# ----- q/k norms + RoPE in one launch (kernels/qk_norm_rope.py) ------------------------------
+@pytest.mark.parametrize(
+    "gated, interleaved, dims, head_dim", [(True, False, 64, 256), (False, True, 128, 128)]
+)
+def test_qk_norm_rope_kernel_matches_the_op_path(dtype, gated, interleaved, dims, head_dim):
+    """One launch gives the op path's q, k and gate: the gate bit for bit, q and k within
+    two ulps (the normaliser's sums are added in the kernel's own order), nearly all equal;
+    every row equal to a one-row launch at its position, at the 27B's heads and another
+    layout, deep positions included."""
+    from qwen38_backend.kernels import qk_norm_rope as kernel
+
+    layout = kernel.HeadLayout(24, 4, head_dim, gated, 1e-6, dims, 1e7, 1.0, interleaved)
+    assert kernel.available(layout, dtype)
+    width = layout.q_width() + 2 * 4 * head_dim
+    for rows, start in ((1, 0), (3, 4093), (8, 262_141)):
+        keys = mx.random.split(mx.random.key(rows), 3)
+        qkv = (3 * mx.random.normal((rows, width), key=keys[0])).astype(dtype)
+        q_scale = 1 + 0.3 * mx.random.normal((head_dim,), key=keys[1])
+        k_scale = 1 + 0.3 * mx.random.normal((head_dim,), key=keys[2])
+        offset = mx.array(start, dtype=mx.int32)
+        got = kernel.qk_norm_rope(qkv, q_scale, k_scale, offset, layout)
+        want = kernel.reference(qkv, q_scale, k_scale, offset, layout)
+        if gated:
+            assert mx.array_equal(got[2], want[2]).item()
+        else:
+            assert got[2] is None and want[2] is None
+        for g, w in zip(got[:2], want[:2], strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            assert kernel.within_ulps(g, w, 2), (rows, start)
+            assert (g != w).astype(mx.float32).mean().item() < 0.01, (rows, start)
+        for t in range(rows):
+            one = kernel.qk_norm_rope(qkv[t : t + 1], q_scale, k_scale, offset + t, layout)
+            assert mx.array_equal(one[0], got[0][:, :, t : t + 1]).item(), (rows, t)
+            assert mx.array_equal(one[1], got[1][:, :, t : t + 1]).item(), (rows, t)
+            if gated:
+                assert mx.array_equal(one[2], got[2][t : t + 1]).item(), (rows, t)
+
+
+def test_step_qk_kernel_keeps_the_greedy_tokens(tmp_path, monkeypatch):
+    """A bf16 tiny Qwen3.5 decoding with its attention layers' q/k norms and RoPE in one
+    launch picks the greedy tokens of the op path, its logits within bf16 rounding of them
+    at every step, with fewer nodes a step (each model loaded apart: a compiled piece keeps
+    what it traced)."""
+    import re
+
+    from qwen38_backend.kernels import qk_norm_rope as kernel
+
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    path = make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")
+
+    def decode(choice: str) -> tuple[list, list, int]:
+        monkeypatch.setenv("QWEN38_QK_KERNEL", choice)
+        kernel.available.cache_clear()
+        model = qwen38_backend.load(str(path), dtype="bfloat16")
+        state = model.new_state()
+        logits = model.forward([5, 6, 7, 8], state, last_only=True)
+        tokens, steps = [], []
+        for _ in range(12):
+            token = int(mx.argmax(logits[-1]).item())
+            tokens.append(token)
+            logits = model.forward([token], state, last_only=True)
+            steps.append(logits.astype(mx.float32))
+        dot = tmp_path / f"step_{choice}.dot"
+        mx.export_to_dot(str(dot), model.forward([tokens[-1]], state, last_only=True))
+        return tokens, steps, len(re.findall(r"shape=rectangle", dot.read_text()))
+
+    try:
+        fused, fused_logits, fused_nodes = decode("auto")
+        plain, plain_logits, plain_nodes = decode("off")
+    finally:
+        kernel.available.cache_clear()
+    assert fused == plain
+    for a, b in zip(fused_logits, plain_logits, strict=True):
+        assert mx.allclose(a, b, rtol=2e-2, atol=2e-2).item()
+    assert fused_nodes < plain_nodes, (fused_nodes, plain_nodes)
+
+
 def test_steps_take_the_rows_kernel(gpu_models):
     """A bf16 forward on CUDA chooses the row-invariant kernel (its probe passed), so the
     verify tests below run it rather than padded products."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,6 +208,9 @@ class Attention(nn.Module):
     stores are interchangeable without touching this layer.
     """
 
+    _qk_checked = ""  # the dtype prepare_decode decided for
+    _qk_kernel_for = ""  # the dtype whose steps run kernels/qk_norm_rope.py ("": none)
+
     def __init__(
         self,
         hidden: int,
@@ -243,7 +247,11 @@ class Attention(nn.Module):
         T = x.shape[0]
         H, D = self.n_heads, self.head_dim
         if "qkv_proj" in self:
-            q, k, v = split_outputs(project(self.qkv_proj, x), self._qkv_sizes)
+            qkv = project(self.qkv_proj, x)
+            step = isinstance(offset, mx.array) and T <= STEP_MAX_ROWS
+            if step and self._qk_kernel_for == str(qkv.dtype):
+                return self._step_heads(qkv, offset)
+            q, k, v = split_outputs(qkv, self._qkv_sizes)
         else:
             q, k, v = (project(self[name], x) for name in ("q_proj", "k_proj", "v_proj"))
         gate = None
@@ -258,6 +266,48 @@ class Attention(nn.Module):
         q = self.rope(q.transpose(0, 2, 1, 3), offset)
         k = self.rope(k.transpose(0, 2, 1, 3), offset)
         return q, k, v.transpose(0, 2, 1, 3), gate
+
+    def _step_heads(self, qkv: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        """project_qkv's outputs from the fused rows of a step, the q/k norms and RoPE in one
+        CUDA launch (kernels/qk_norm_rope.py; prepare_decode chose it)."""
+        T, D, kv_heads = qkv.shape[0], self.head_dim, self.n_kv_heads
+        q, k, gate = _qk_kernel_module().qk_norm_rope(
+            qkv, self.q_norm.scale(), self.k_norm.scale(), offset, self._qk_layout
+        )
+        v = qkv[:, -kv_heads * D :].reshape(1, T, kv_heads, D).transpose(0, 2, 1, 3)
+        return q, k, v, gate
+
+    def prepare_decode(self) -> None:
+        """Decide (outside any compiled trace: the kernel's probe runs ops) whether a step's
+        q/k norms and RoPE run as one CUDA launch: fused q/k/v, zero-centred norms of one eps,
+        a rotation without precomputed frequencies, and the kernel passed its probe for the
+        fused product's dtype. Decided once per dtype: this runs every token."""
+        linear = self.get("qkv_proj")
+        if linear is None:
+            return
+        dtype = linear.get("scales", linear.get("weight")).dtype  # the product's dtype
+        if self._qk_checked == str(dtype):
+            return
+        self._qk_checked = str(dtype)
+        self._qk_kernel_for = ""
+        kernels = _qk_kernel_module()
+        norms = (self.q_norm, self.k_norm) if self.has_qk_norm else ()
+        if (
+            kernels is None
+            or not norms
+            or not all(n.zero_centered for n in norms)
+            or self.q_norm.eps != self.k_norm.eps
+            or self.rope.freqs is not None
+        ):
+            return
+        rope = self.rope
+        layout = kernels.HeadLayout(
+            self.n_heads, self.n_kv_heads, self.head_dim, self.output_gate,
+            self.q_norm.eps, rope.dims, rope.theta, rope.scale, rope.interleaved,
+        )  # fmt: skip
+        if kernels.available(layout, dtype):
+            self._qk_layout = layout
+            self._qk_kernel_for = str(dtype)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Keep this rank's heads (tensor parallel; before `fuse`): q/k/v rows cut by head,
@@ -332,6 +382,7 @@ class PreNormBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode_attention(self, h: mx.array, kv, offset: int) -> mx.array:
+        self.self_attn.prepare_decode()  # outside the trace: the kernel's probe runs ops
         # the position as an array: a Python int would be traced as a constant
         q, k, v, *gate = compiled(self, "_attention_in")(h, mx.array(offset, dtype=mx.int32))
         finish = compiled(self, "_attention_out")
@@ -411,3 +462,14 @@ class SwiGLU(nn.Module):
         elif (y := swiglu_product(self.gate_up_proj, x)) is None:
             y = swiglu(*mx.split(project(self.gate_up_proj, x), 2, axis=-1))
         return project(self.down_proj, y, residual=residual, dtype=dtype)
+
+
+@functools.cache
+def _qk_kernel_module():
+    """kernels/qk_norm_rope.py, or None in a source tree that was not installed (the package
+    maps `kernels/` to `qwen38_backend.kernels` at install); the op path then runs."""
+    try:
+        from ..kernels import qk_norm_rope
+    except ImportError:
+        return None
+    return qk_norm_rope
