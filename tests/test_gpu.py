@@ -580,6 +580,7 @@ def test_step_products_take_the_norms_fp32_rows(tmp_path, monkeypatch):
 
 
 # ----- q/k norms + RoPE in one launch (kernels/qk_norm_rope.py) ------------------------------
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(
     "gated, interleaved, dims, head_dim", [(True, False, 64, 256), (False, True, 128, 128)]
 )
