@@ -32,6 +32,7 @@ import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .decode_attention import ASYNC_COPIES  # cp.async's commit and wait
 from .jit import cuda_kernel
@@ -239,6 +240,67 @@ __device__ __forceinline__ void load_x(const X* x, long long i, float* f) {
 }
 """
 
+# A zero-centred RMSNorm of x's rows as the products' input: y = T(scale * (x * inv)) for inv =
+# rsqrt(mean(x^2) + eps), the mean's sums in this block's fixed order (each thread's squares of
+# its 4-element chunks ascending, a warp butterfly, the warps in order), so the product's
+# prologue and the stand-alone kernel (NORM_SOURCE, for rows too wide for shared memory) give
+# the same bits; `parts`: THREADS / 32 floats of shared memory.
+NORM_ROWS = """
+namespace qwen38_rows {
+template <int THREADS, typename T, typename X, int ROWS>
+__device__ __forceinline__ void normed_rows(
+    const X* x, const float* scale, int K, float eps, T* y, float* parts) {
+  for (int r = 0; r < ROWS; ++r) {
+    const X* row = x + (long long)r * K;
+    float ss = 0.0f;
+    for (int i = threadIdx.x * 4; i < K; i += THREADS * 4) {
+      float f[4];
+      load_x<X, X, 4>(row, i, f);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ss = fmaf(f[e], f[e], ss);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+    if ((threadIdx.x & 31) == 0) parts[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float total = parts[0];
+#pragma unroll
+    for (int w = 1; w < THREADS / 32; ++w) total += parts[w];
+    __syncthreads();  // parts are the next row's
+    const float inv = rsqrtf(total / static_cast<float>(K) + eps);
+    for (int i = threadIdx.x * 4; i < K; i += THREADS * 4) {
+      float f[4];
+      load_x<X, X, 4>(row, i, f);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        y[(long long)r * K + i + e] = static_cast<T>(scale[i + e] * (f[e] * inv));
+    }
+  }
+}
+}  // namespace qwen38_rows
+"""
+# How the block copies x's rows to shared memory (XS): as they are, rounded to T, or normed.
+X_COPY = """
+        for (int i = threadIdx.x * 4; i < R * x_shape[1]; i += __THREADS__ * 4) {
+            float f[4];
+            load_x<T, X, 4>(x, i, f);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xt[i + e] = static_cast<T>(f[e]);
+        }
+"""
+X_COPY_NORMED = """
+        __shared__ float norm_parts[__THREADS__ / 32];
+        qwen38_rows::normed_rows<__THREADS__, T, X, R>(
+            x, scale, x_shape[1], __EPS__, xt, norm_parts);
+"""
+# The stand-alone norm: block r norms row r into y (T), as the product's prologue would.
+NORM_SOURCE = """
+    __shared__ float parts[__THREADS__ / 32];
+    const int K = x_shape[1];
+    qwen38_rows::normed_rows<__THREADS__, T, X, 1>(
+        x + (long long)blockIdx.x * K, scale, K, __EPS__, y + (long long)blockIdx.x * K, parts);
+"""
+
 # Template constants from the call: T (w's dtype), X (x's: T or float), C (elements of a
 # chunk), R (rows), NW (outputs per warp), KS (warps per output), XS (x copied to shared
 # memory at byte XO), then the walk's: U (chunks a lane loads per output before using them)
@@ -255,12 +317,7 @@ _PRODUCT = (
     // twice the bytes of the weights they multiply
     T* xt = reinterpret_cast<T*>(smem_dyn + XO);
     if constexpr (XS) {
-        for (int i = threadIdx.x * 4; i < R * x_shape[1]; i += __THREADS__ * 4) {
-            float f[4];
-            load_x<T, X, 4>(x, i, f);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) xt[i + e] = static_cast<T>(f[e]);
-        }
+        __X_COPY__
         __syncthreads();
     }
 
@@ -292,22 +349,57 @@ _STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahe
 
 
 @functools.cache
-def _kernel(staged: bool, shared_bytes: int, epilogue: str = ""):
+def _kernel(staged: bool, shared_bytes: int, epilogue: str = "", eps: float | None = None):
     """The product with the register walk, or with the staged walk, and that much shared
     memory (the staged walk's copies, then x's copy), storing its outputs as `epilogue`
-    says (STORES)."""
-    source = (_STAGED_SOURCE if staged else _SOURCE).replace("__THREADS__", str(THREADS))
+    says (STORES); with `eps`, x's rows are normed first (NORM_ROWS, a `scale` input)."""
+    source = (_STAGED_SOURCE if staged else _SOURCE).replace(
+        "__X_COPY__", X_COPY if eps is None else X_COPY_NORMED
+    )
+    source = source.replace("__THREADS__", str(THREADS))
+    parts = ["qwen38_rows_matmul", *(["staged"] if staged else []), epilogue]
+    if eps is not None:
+        parts.append("norm" + _eps_tag(eps))
     return cuda_kernel(
-        name="_".join(["qwen38_rows_matmul", *(["staged"] if staged else []), epilogue]).strip("_"),
-        input_names=["x", "w", "res"] if epilogue == "residual" else ["x", "w"],
+        name="_".join(p for p in parts if p),
+        input_names=["x", "w"]
+        + (["scale"] if eps is not None else [])
+        + (["res"] if epilogue == "residual" else []),
         output_names=["y"],
-        source=source.replace("__STORE__", STORES[epilogue]),
+        source=source.replace("__STORE__", STORES[epilogue]).replace(
+            "__EPS__", _float_literal(eps or 0.0)
+        ),
         header=EPILOGUE_HEADERS[epilogue]
         + CHUNKS
         + X_LOAD
+        + NORM_ROWS
         + (ASYNC_COPIES + COPY_CHUNK if staged else ""),
         shared_memory=shared_bytes,
     )
+
+
+@functools.cache
+def _norm_kernel(eps: float):
+    """The stand-alone norm of rows too wide for the product's shared memory (NORM_SOURCE)."""
+    return cuda_kernel(
+        name="qwen38_rows_norm" + _eps_tag(eps),
+        input_names=["x", "scale"],
+        output_names=["y"],
+        source=NORM_SOURCE.replace("__THREADS__", str(THREADS)).replace(
+            "__EPS__", _float_literal(eps)
+        ),
+        header=CHUNKS + X_LOAD + NORM_ROWS,
+    )
+
+
+def _float_literal(value: float) -> str:
+    """`value` rounded to fp32, as an exact C hex literal."""
+    return float(np.float32(value)).hex() + "f"
+
+
+def _eps_tag(eps: float) -> str:
+    """A kernel-name-safe tag of eps's fp32 bits (one compiled kernel per eps)."""
+    return "_e" + np.float32(eps).view(np.uint32).item().to_bytes(4, "big").hex()
 
 
 # Outputs per warp by row count: more read x fewer times (a lane's loads of x per weight
@@ -351,19 +443,26 @@ def rows_matmul(
     residual: mx.array | None = None,
     dtype: mx.Dtype | None = None,
     swiglu: bool = False,
+    norm: tuple[mx.array, float] | None = None,
 ) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in w's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x of w's dtype, or fp32 for a half-precision w
     (rounded to w's dtype as it is read); K % (16 bytes of w) == 0.
+
+    `norm` (scale [K] fp32, eps): the product of x's rows zero-centred-RMS-normed first, each
+    rounded to w's dtype (NORM_ROWS: in the product's prologue, or by a kernel of its own where
+    the launch's rows are too wide for shared memory, the same bits either way).
 
     Epilogues (each output as the ops after the product would compute it, one launch
     instead of two): `residual` [R, N] (w's dtype, or fp32 holding values of it): residual
     + the product in w's dtype, then cast to `dtype` (default w's); `swiglu`: w's rows are a
     fused [gate; up] pair of N / 2 each, the output [R, N / 2] is silu(gate) * up."""
     n, k, size = w.shape[0], w.shape[1], w.dtype.size
-    copy_x = X_SHARED == "all" or (x.dtype != w.dtype and X_SHARED == "wide")
+    copy_x = X_SHARED == "all" or (x.dtype != w.dtype and X_SHARED == "wide") or bool(norm)
     if copy_x and min(x.shape[0], ROWS_PER_LAUNCH) * k * size > X_SHARED_MAX:
-        if x.dtype != w.dtype:  # too wide to copy: the cast, as the rows would be rounded
+        if norm is not None:  # too wide to copy: normed apart, as the prologue would
+            x, norm = norm_rows(x, *norm, w.dtype), None
+        elif x.dtype != w.dtype:  # too wide to copy: the cast, as the rows would be rounded
             x = x.astype(w.dtype)
         copy_x = False
     chunk = _chunk(w.dtype)
@@ -374,12 +473,28 @@ def rows_matmul(
         out_dtype = dtype or w.dtype
         template.append(("O", out_dtype))
 
+    eps = None if norm is None else norm[1]
+
     def launch(rows: int) -> tuple:
-        return _launch(rows, n, chunk * size, rows * k * size if copy_x else 0, epilogue)
+        return _launch(rows, n, chunk * size, rows * k * size if copy_x else 0, epilogue, eps)
 
     by_rows = [] if residual is None else [residual]
     width = n // 2 if swiglu else n
-    return launch_in_parts(launch, x, [w], n, template, out_dtype, by_rows, width)
+    operands = [w] if norm is None else [w, norm[0]]
+    return launch_in_parts(launch, x, operands, n, template, out_dtype, by_rows, width)
+
+
+def norm_rows(x: mx.array, scale: mx.array, eps: float, dtype: mx.Dtype) -> mx.array:
+    """x [R, K]'s rows zero-centred-RMS-normed by the fp32 `scale` [K] and rounded to `dtype`,
+    with the bits of rows_matmul's norm prologue (one block per row)."""
+    return _norm_kernel(eps)(
+        inputs=[x, scale],
+        template=[("T", dtype), ("X", x.dtype)],
+        grid=(x.shape[0] * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[x.shape],
+        output_dtypes=[dtype],
+    )[0]
 
 
 def _chunk(dtype: mx.Dtype) -> int:
@@ -387,18 +502,20 @@ def _chunk(dtype: mx.Dtype) -> int:
     return max(CHUNK_BYTES // dtype.size, 4)
 
 
-def _launch(rows: int, n: int, chunk_bytes: int, x_bytes: int, epilogue: str = "") -> tuple:
+def _launch(
+    rows: int, n: int, chunk_bytes: int, x_bytes: int, epilogue: str = "", eps: float | None = None
+) -> tuple:
     """(kernel, template constants) of a launch of `rows` rows and `n` outputs, with x's
-    rows copied to `x_bytes` of shared memory (0: read in place); a swiglu epilogue takes
-    its outputs in pairs (an even count per warp)."""
+    rows copied to `x_bytes` of shared memory (0: read in place; normed with `eps`); a
+    swiglu epilogue takes its outputs in pairs (an even count per warp)."""
     nw, loads = _shape(rows, chunk_bytes, pairs=epilogue == "swiglu")
     shape = [("R", rows), ("NW", nw), ("KS", _split(n)), ("XS", x_bytes > 0)]
     if rows >= STAGED_FROM:
         stages = STAGES * 16 // chunk_bytes  # the same bytes in flight for either chunk
         slots = THREADS * stages * nw * chunk_bytes
-        kernel = _kernel(True, slots + x_bytes, epilogue)
+        kernel = _kernel(True, slots + x_bytes, epilogue, eps)
         return kernel, [*shape, ("XO", slots), ("S", stages)]
-    return _kernel(False, x_bytes, epilogue), [*shape, ("XO", 0), ("U", loads)]
+    return _kernel(False, x_bytes, epilogue, eps), [*shape, ("XO", 0), ("U", loads)]
 
 
 def launch_in_parts(
@@ -463,9 +580,18 @@ def probe_rows(fn, x: mx.array, want: mx.array, slack: float, what: str) -> bool
     return True
 
 
-def fits(x: mx.array, w: mx.array, residual: mx.array | None = None, swiglu: bool = False) -> bool:
-    """Whether rows_matmul takes these operands (shapes and dtypes; not the probe)."""
+def fits(
+    x: mx.array,
+    w: mx.array,
+    residual: mx.array | None = None,
+    swiglu: bool = False,
+    scale: mx.array | None = None,
+) -> bool:
+    """Whether rows_matmul takes these operands (shapes and dtypes; not the probe); `scale`:
+    a norm's."""
     vec = 16 // w.dtype.size
+    if scale is not None and (scale.shape != (x.shape[-1],) or scale.dtype != mx.float32):
+        return False
     return (
         x.ndim == 2
         and w.ndim == 2
@@ -541,6 +667,43 @@ def epilogues_available(dtype: mx.Dtype) -> bool:
         return False
     if not same:
         warnings.warn("rows matmul epilogues disagree with the ops they replace", stacklevel=2)
+    return same
+
+
+@functools.cache
+def norm_available(dtype: mx.Dtype) -> bool:
+    """True when the product's epilogues run here (epilogues_available) and its norm prologue
+    gives each row the bits of that row alone, of the stand-alone norm kernel (rows too wide
+    for shared memory) and close to the op path's norm then product (probed once per dtype; a
+    disagreement warns). QWEN38_ROWS_NORM: auto | off | force (skip the probe)."""
+    choice = kernel_switch("QWEN38_ROWS_NORM")
+    if choice == "off" or not epilogues_available(dtype):
+        return False
+    if choice == "force":
+        return True
+    kx, kw, ks = mx.random.split(mx.random.key(19), 3)
+    # 5 rows of this width are normed apart (past X_SHARED_MAX), one row in the prologue
+    rows, k, n = 5, X_SHARED_MAX // (4 * dtype.size), 203
+    x = 3 * mx.random.normal((rows, k), key=kx)
+    w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(dtype)
+    scale = 1 + 0.2 * mx.random.normal((k,), key=ks)
+    eps = 1e-6
+    normed = mx.fast.rms_norm(x, scale, eps).astype(dtype).astype(mx.float32)
+    want = normed @ w.astype(mx.float32).T
+
+    def fused(part: mx.array) -> mx.array:
+        return rows_matmul(part, w, norm=(scale, eps))
+
+    if not probe_rows(fused, x, want, 1e-3, "rows matmul norm prologue"):
+        return False
+    try:
+        apart = rows_matmul(norm_rows(x[:1], scale, eps, dtype), w)
+        same = mx.array_equal(apart, fused(x[:1])).item()
+    except Exception as e:  # noqa: BLE001 - any failure means: the norm runs as an op
+        warnings.warn(f"rows matmul norm kernel unavailable ({e})", stacklevel=2)
+        return False
+    if not same:
+        warnings.warn("rows matmul norm kernel disagrees with the prologue", stacklevel=2)
     return same
 
 

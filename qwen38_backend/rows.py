@@ -78,8 +78,9 @@ def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> Non
     differ from one-row products (all of them when `net` or `rows` is not given)."""
     kernels = _kernel_module()
     usable = kernels is not None and kernels.available(dtype)
-    if usable:
-        kernels.epilogues_available(dtype)  # probed here, read by each product in a trace
+    if usable:  # probed here, read by each product in a trace
+        kernels.epilogues_available(dtype)
+        kernels.norm_available(dtype)
     pad = _device_pad()
     quantized = _NO_QUANTIZED
     if pad > 1 and net is not None:
@@ -263,6 +264,7 @@ def project(
     x: mx.array,
     residual: mx.array | None = None,
     dtype: mx.Dtype | None = None,
+    norm: nn.Module | None = None,
 ) -> mx.array:
     """linear(x) for x [T, ..., in]: a step's dense product through the row-invariant kernel
     where `prepare` chose it, a quantized one as `quantized_plan` decided, else fewer than
@@ -274,7 +276,16 @@ def project(
 
     `residual`: residual + linear(x) instead, the residual cast to the product's dtype first
     (exact where it is fp32 holding values of that dtype), then cast to `dtype` when given;
-    the kernel adds it as it stores its outputs (one launch fewer)."""
+    the kernel adds it as it stores its outputs (one launch fewer).
+
+    `norm` (an RMSNorm): the product of its rows, norm.for_product(x): in the kernel's
+    prologue where it takes them (a zero-centred norm; one launch fewer), else the norm's op
+    first."""
+    if norm is not None:
+        y = _normed_product(linear, x, norm, residual, dtype)
+        if y is not None:
+            return y
+        x = norm.for_product(x)
     y = _kernel_product(linear, x, residual, dtype)
     if y is not None:
         return y
@@ -291,10 +302,15 @@ def project(
     return _finished(y, residual, dtype)
 
 
-def swiglu_product(linear: nn.Module, x: mx.array) -> mx.array | None:
-    """silu(gate) * up of a fused [gate; up] linear's product with x, through the
-    row-invariant kernel (its epilogue: one launch fewer) where this forward's plan runs it
-    for these operands, else None (the caller splits project's output)."""
+def swiglu_product(
+    linear: nn.Module, x: mx.array, norm: nn.Module | None = None
+) -> mx.array | None:
+    """silu(gate) * up of a fused [gate; up] linear's product with x (with `norm`: with
+    norm.for_product(x), normed in the kernel's prologue), through the row-invariant kernel
+    (its epilogue: one launch fewer) where this forward's plan runs it for these operands,
+    else None (the caller norms x and splits project's output)."""
+    if norm is not None:
+        return _normed_product(linear, x, norm, swiglu=True)
     return _kernel_product(linear, x, swiglu=True)
 
 
@@ -347,6 +363,37 @@ def _kernel_product(
     if x.ndim != 2:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
     return _finished(y if bias is None else y + bias, residual, dtype)
+
+
+def _normed_product(
+    linear,
+    x: mx.array,
+    norm: nn.Module,
+    residual: mx.array | None = None,
+    dtype: mx.Dtype | None = None,
+    swiglu: bool = False,
+) -> mx.array | None:
+    """linear(norm.for_product(x)) through the kernel with the norm in its prologue (and the
+    epilogues as _kernel_product takes them) where this forward's plan runs the kernel, the
+    prologue passed its probe and takes this norm (zero-centred: an fp32 scale) and these
+    operands (2-D rows, a dense weight of the kernel's dtype, no bias), else None."""
+    kernel_for = _PLAN.get()[1]
+    if kernel_for is None or not getattr(norm, "zero_centered", False):
+        return None
+    if x.ndim != 2 or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
+        return None
+    weight, bias = _dense_weight(linear)
+    if weight is None or weight.dtype != kernel_for or bias is not None:
+        return None
+    kernels = _kernel_module()
+    scale = norm.scale()
+    if not kernels.norm_available(weight.dtype) or not kernels.fits(
+        x, weight, residual, swiglu, scale
+    ):
+        return None
+    return kernels.rows_matmul(
+        x, weight, residual=residual, dtype=dtype, swiglu=swiglu, norm=(scale, norm.eps)
+    )
 
 
 def _finished(y: mx.array, residual: mx.array | None, dtype: mx.Dtype | None) -> mx.array:

@@ -508,9 +508,12 @@ def test_step_epilogues_keep_the_step_and_drop_its_sums(tmp_path, monkeypatch):
 
     path = make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")
 
+    monkeypatch.setenv("QWEN38_ROWS_NORM", "off")  # its own test: it rounds apart from the op
+
     def step(epilogues: str) -> tuple[mx.array, int]:
         monkeypatch.setenv("QWEN38_ROWS_EPILOGUES", epilogues)
         kernel.epilogues_available.cache_clear()
+        kernel.norm_available.cache_clear()
         model = qwen38_backend.load(str(path), dtype="bfloat16")
         state = model.new_state()
         mx.eval(model.forward([5, 6, 7, 8], state, last_only=True))
@@ -526,6 +529,7 @@ def test_step_epilogues_keep_the_step_and_drop_its_sums(tmp_path, monkeypatch):
         plain, plain_nodes = step("off")
     finally:
         kernel.epilogues_available.cache_clear()
+        kernel.norm_available.cache_clear()
     assert mx.array_equal(fused, plain).item()
     assert fused_nodes < plain_nodes, (fused_nodes, plain_nodes)
 
@@ -543,6 +547,8 @@ def test_step_products_take_the_norms_fp32_rows(tmp_path, monkeypatch):
     from qwen38_backend.models.layers import RMSNorm
     from qwen38_backend.testing import make_tiny_weights
 
+    # the norms' own rows, not the products' norm prologue
+    monkeypatch.setattr(kernel, "norm_available", lambda dtype: False)
     model = qwen38_backend.load(
         str(make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")), dtype="bfloat16"
     )
@@ -577,6 +583,96 @@ def test_step_products_take_the_norms_fp32_rows(tmp_path, monkeypatch):
         norm.weight = norm.folded - 1.0
     step_nodes()
     assert step_nodes() - folded >= 2 * layers + 2 * attention
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_rows_matmul_norm_prologue(dtype):
+    """Products of zero-centred-RMS-normed rows (the norm in the product's prologue, or in a
+    kernel of its own where a launch's rows are too wide for shared memory): every row equal
+    to a one-row launch bit for bit at every row count (both paths), close to the op path's
+    norm then product, and the epilogues on normed rows equal the ops after the normed
+    product, for fp32 and half-precision rows."""
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    from qwen38_backend.models.layers import swiglu
+
+    assert kernel.norm_available(dtype)
+    eps = 1e-6
+    for n, k in ((2 * 17408, 5120), (2 * 501, 264)):
+        kx, kw, ks, kr = mx.random.split(mx.random.key(n + 5), 4)
+        scale = 1 + 0.3 * mx.random.normal((k,), key=ks)
+        w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(dtype)
+        res = (4 * mx.random.normal((16, n), key=kr)).astype(mx.float32)
+        wide = 3 * mx.random.normal((16, k), key=kx)
+        for x in (wide, wide.astype(dtype)):
+            norm = (scale, eps)
+            alone = mx.concatenate(
+                [kernel.rows_matmul(x[i : i + 1], w, norm=norm) for i in range(16)]
+            )
+            normed = mx.fast.rms_norm(x.astype(mx.float32), scale, eps).astype(dtype)
+            want = normed.astype(mx.float32) @ w.astype(mx.float32).T
+            err = mx.abs(alone.astype(mx.float32) - want)
+            assert (err <= 2**-6 * mx.abs(want) + 2e-2).all().item(), (n, x.dtype)
+            for rows in (1, 2, 3, 5, 9, 16):
+                got = kernel.rows_matmul(x[:rows], w, norm=norm)
+                assert mx.array_equal(got, alone[:rows]).item(), (n, rows, x.dtype)
+                fused = kernel.rows_matmul(x[:rows], w, norm=norm, swiglu=True)
+                assert mx.array_equal(fused, swiglu(*mx.split(got, 2, axis=-1))).item()
+                summed = kernel.rows_matmul(
+                    x[:rows], w, norm=norm, residual=res[:rows], dtype=mx.float32
+                )
+                want_sum = (res[:rows].astype(dtype) + got).astype(mx.float32)
+                assert mx.array_equal(summed, want_sum).item(), (n, rows)
+
+
+def test_step_norm_prologue_keeps_the_greedy_tokens(tmp_path, monkeypatch):
+    """A bf16 tiny Qwen3.5 decoding with its blocks' norms in the products' prologues picks
+    the greedy tokens of the op norms, its logits within bf16 rounding of them at every step,
+    with fewer nodes a step."""
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    tokens, logits, nodes = _decode_with(tmp_path, monkeypatch, "QWEN38_ROWS_NORM", kernel)
+    assert tokens["auto"] == tokens["off"]
+    for a, b in zip(logits["auto"], logits["off"], strict=True):
+        assert mx.allclose(a, b, rtol=2e-2, atol=2e-2).item()
+    assert nodes["auto"] < nodes["off"], nodes
+
+
+def _decode_with(tmp_path, monkeypatch, switch: str, module) -> tuple[dict, dict, dict]:
+    """Greedy tokens, each step's logits and a step's node count of a bf16 tiny Qwen3.5
+    with `switch` auto and off (a model loaded for each: a compiled piece keeps what it
+    traced; the probes of `module` cleared around each)."""
+    import re
+
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    path = make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")
+    probes = [
+        getattr(module, name) for name in ("available", "norm_available") if hasattr(module, name)
+    ]
+    tokens, logits, nodes = {}, {}, {}
+    try:
+        for choice in ("auto", "off"):
+            monkeypatch.setenv(switch, choice)
+            for probe in probes:
+                probe.cache_clear()
+            model = qwen38_backend.load(str(path), dtype="bfloat16")
+            state = model.new_state()
+            out = model.forward([5, 6, 7, 8], state, last_only=True)
+            tokens[choice], logits[choice] = [], []
+            for _ in range(12):
+                token = int(mx.argmax(out[-1]).item())
+                tokens[choice].append(token)
+                out = model.forward([token], state, last_only=True)
+                logits[choice].append(out.astype(mx.float32))
+            dot = tmp_path / f"step_{choice}.dot"
+            mx.export_to_dot(str(dot), model.forward([tokens[choice][-1]], state, last_only=True))
+            nodes[choice] = len(re.findall(r"shape=rectangle", dot.read_text()))
+    finally:
+        for probe in probes:
+            probe.cache_clear()
+    return tokens, logits, nodes
 
 
 # ----- q/k norms + RoPE in one launch (kernels/qk_norm_rope.py) ------------------------------
@@ -621,42 +717,14 @@ def test_qk_norm_rope_kernel_matches_the_op_path(dtype, gated, interleaved, dims
 def test_step_qk_kernel_keeps_the_greedy_tokens(tmp_path, monkeypatch):
     """A bf16 tiny Qwen3.5 decoding with its attention layers' q/k norms and RoPE in one
     launch picks the greedy tokens of the op path, its logits within bf16 rounding of them
-    at every step, with fewer nodes a step (each model loaded apart: a compiled piece keeps
-    what it traced)."""
-    import re
-
+    at every step, with fewer nodes a step."""
     from qwen38_backend.kernels import qk_norm_rope as kernel
 
-    import qwen38_backend
-    from qwen38_backend.testing import make_tiny_weights
-
-    path = make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")
-
-    def decode(choice: str) -> tuple[list, list, int]:
-        monkeypatch.setenv("QWEN38_QK_KERNEL", choice)
-        kernel.available.cache_clear()
-        model = qwen38_backend.load(str(path), dtype="bfloat16")
-        state = model.new_state()
-        logits = model.forward([5, 6, 7, 8], state, last_only=True)
-        tokens, steps = [], []
-        for _ in range(12):
-            token = int(mx.argmax(logits[-1]).item())
-            tokens.append(token)
-            logits = model.forward([token], state, last_only=True)
-            steps.append(logits.astype(mx.float32))
-        dot = tmp_path / f"step_{choice}.dot"
-        mx.export_to_dot(str(dot), model.forward([tokens[-1]], state, last_only=True))
-        return tokens, steps, len(re.findall(r"shape=rectangle", dot.read_text()))
-
-    try:
-        fused, fused_logits, fused_nodes = decode("auto")
-        plain, plain_logits, plain_nodes = decode("off")
-    finally:
-        kernel.available.cache_clear()
-    assert fused == plain
-    for a, b in zip(fused_logits, plain_logits, strict=True):
+    tokens, logits, nodes = _decode_with(tmp_path, monkeypatch, "QWEN38_QK_KERNEL", kernel)
+    assert tokens["auto"] == tokens["off"]
+    for a, b in zip(logits["auto"], logits["off"], strict=True):
         assert mx.allclose(a, b, rtol=2e-2, atol=2e-2).item()
-    assert fused_nodes < plain_nodes, (fused_nodes, plain_nodes)
+    assert nodes["auto"] < nodes["off"], nodes
 
 
 def test_steps_take_the_rows_kernel(gpu_models):

@@ -249,16 +249,19 @@ class GatedDeltaNet(nn.Module):
         o, *rest = self.step_rows(x, conv, recurrent)
         return project(self.out_proj, o), *rest
 
-    def step_rows(self, x: mx.array, conv: mx.array, recurrent: mx.array):
+    def step_rows(
+        self, x: mx.array, conv: mx.array, recurrent: mx.array, norm: nn.Module | None = None
+    ):
         """The few-token path before out_proj: (out_proj's input rows [T, value_dim], then what
         GatedDeltaNetState.advance takes: the conv history after the last row, the conv
         inputs [history; rows] (T > 1; else the history), the recurrent state after each row
         [T, Hv, Dv, Dk]). Row i is what a one-row step at its position computes: the CUDA
         kernel (where it passed its probe) runs the rows one after another in one launch, the
-        same code for any T; elsewhere the one-token core runs per row."""
+        same code for any T; elsewhere the one-token core runs per row. With `norm` (an
+        RMSNorm), of norm.for_product(x) (rows.project)."""
         spec = self._core_spec()
         # x may be a norm's fp32 rows (RMSNorm.for_product): the products' dtype is the step's
-        qkv, z, b, a = self._project(x)
+        qkv, z, b, a = self._project(x, norm)
         dtype = qkv.dtype
         weights = (self.conv1d.weight[:, :, 0].astype(dtype), self.A_log, self.dt_bias)
         T = x.shape[0]
@@ -307,11 +310,13 @@ class GatedDeltaNet(nn.Module):
         self.value_dim //= size
         self.conv_dim //= size
 
-    def _project(self, x: mx.array) -> list[mx.array]:
-        """qkv, z, b, a: one fused matmul once `fuse()` ran, else four."""
+    def _project(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
+        """qkv, z, b, a of x's rows (with `norm`: of norm.for_product(x)): one fused matmul
+        once `fuse()` ran, else four."""
         if "in_proj_all" in self:
             sizes = [self.conv_dim, self.value_dim, self.n_v_heads, self.n_v_heads]
-            return split_outputs(project(self.in_proj_all, x), sizes)
+            return split_outputs(project(self.in_proj_all, x, norm=norm), sizes)
+        x = x if norm is None else norm.for_product(x)
         return [project(self[name], x) for name in self._PROJECTIONS]
 
     def fuse(self) -> None:

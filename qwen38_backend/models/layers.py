@@ -241,18 +241,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered_norm)
 
     def project_qkv(
-        self, x: mx.array, offset: int | mx.array
+        self, x: mx.array, offset: int | mx.array, norm: RMSNorm | None = None
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """Return roped q [1,H,T,D], k and v [1,Hkv,T,D], and the gate [T, H*D] (or None)."""
+        """Return roped q [1,H,T,D], k and v [1,Hkv,T,D], and the gate [T, H*D] (or None)
+        of x's rows (with `norm`: of norm.for_product(x), rows.project)."""
         T = x.shape[0]
         H, D = self.n_heads, self.head_dim
         if "qkv_proj" in self:
-            qkv = project(self.qkv_proj, x)
+            qkv = project(self.qkv_proj, x, norm=norm)
             step = isinstance(offset, mx.array) and T <= STEP_MAX_ROWS
             if step and self._qk_kernel_for == str(qkv.dtype):
                 return self._step_heads(qkv, offset)
             q, k, v = split_outputs(qkv, self._qkv_sizes)
         else:
+            x = x if norm is None else norm.for_product(x)
             q, k, v = (project(self[name], x) for name in ("q_proj", "k_proj", "v_proj"))
         gate = None
         if self.output_gate:
@@ -393,8 +395,7 @@ class PreNormBlock(nn.Module):
         return attend_then(q, k, v, scale, lambda out: finish(h, out, *gate))
 
     def _attention_in(self, h: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
-        x = self.input_layernorm.for_product(h)
-        q, k, v, gate = self.self_attn.project_qkv(x, offset)
+        q, k, v, gate = self.self_attn.project_qkv(h, offset, norm=self.input_layernorm)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attention_out(self, h: mx.array, out: mx.array, gate: mx.array | None = None):
@@ -416,7 +417,7 @@ def residual_step(
     block's output for the next block's input norm (SequenceState.run_layers casts the last
     one back). A sum cast back to the products' dtype first is exact."""
     s = project(out_proj, a, residual=h, dtype=norm.compute_dtype(h.dtype))
-    return mlp(norm.for_product(s), residual=s, dtype=s.dtype)
+    return mlp(s, residual=s, dtype=s.dtype, norm=norm)
 
 
 @mx.compile
@@ -454,9 +455,19 @@ class SwiGLU(nn.Module):
         del self["gate_proj"], self["up_proj"]
 
     def __call__(
-        self, x: mx.array, residual: mx.array | None = None, dtype: mx.Dtype | None = None
+        self,
+        x: mx.array,
+        residual: mx.array | None = None,
+        dtype: mx.Dtype | None = None,
+        norm: RMSNorm | None = None,
     ) -> mx.array:
-        """down(silu(gate(x)) * up(x)), plus `residual` then cast to `dtype` (rows.project)."""
+        """down(silu(gate(x)) * up(x)), plus `residual` then cast to `dtype` (rows.project);
+        with `norm`, of norm.for_product(x) (normed in the product's kernel where it can)."""
+        if norm is not None:
+            y = swiglu_product(self.gate_up_proj, x, norm) if "gate_up_proj" in self else None
+            if y is not None:
+                return project(self.down_proj, y, residual=residual, dtype=dtype)
+            x = norm.for_product(x)
         if "gate_up_proj" not in self:
             y = swiglu(project(self.gate_proj, x), project(self.up_proj, x))
         elif (y := swiglu_product(self.gate_up_proj, x)) is None:

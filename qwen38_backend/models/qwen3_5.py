@@ -82,9 +82,8 @@ class Qwen35Block(PreNormBlock):
         return decode_step(self, h, state)
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
-        x = self.input_layernorm.for_product(h)
         mixer = self.linear_attn
-        o, *rows = mixer.step_rows(x, conv, recurrent)
+        o, *rows = mixer.step_rows(h, conv, recurrent, norm=self.input_layernorm)
         post = self.post_attention_layernorm
         return residual_step(h, o, mixer.out_proj, post, self.mlp), *rows
 
