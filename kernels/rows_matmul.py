@@ -53,6 +53,8 @@ CHUNK_BYTES = 16
 # the 27B's 5120 (MTP's verify). With the staged walk's 64 KB a block of 5 such rows held
 # 114 KB, one block per SM: a 27B step's products took 21.7 ms at 5 rows, as with the rows
 # read through L1, against 17.7 for rows cast first (gemv_orders_xshared_64l_s24.json).
+# (These choices were measured while the kernel loaded x element by element and was bound by
+# its L1, fixed in session 26: ncu_products_s26.json. They may deserve a new measurement.)
 X_SHARED = "wide"
 X_SHARED_MAX = 32 * 1024
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
