@@ -616,16 +616,23 @@ def supported() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+def _switched(variable: str, ready) -> bool | None:
+    """What the switch `variable` decides without a probe: False where it is off or
+    `ready()` (what the probe needs first) is not, True where it is force, else None."""
+    choice = kernel_switch(variable)
+    if choice == "off" or not ready():
+        return False
+    return True if choice == "force" else None
+
+
 @functools.cache
 def available(dtype: mx.Dtype) -> bool:
     """True when the kernel runs here, its rows equal one-row launches bit for bit and it
     agrees with an fp32 product (probed once per dtype); else False, with a warning when it
     ran but disagreed. QWEN38_ROWS_KERNEL: auto | off | force (skip the probe)."""
-    choice = kernel_switch("QWEN38_ROWS_KERNEL")
-    if choice == "off" or dtype not in DTYPES or not supported():
-        return False
-    if choice == "force":
-        return True
+    switched = _switched("QWEN38_ROWS_KERNEL", lambda: dtype in DTYPES and supported())
+    if switched is not None:
+        return switched
     kx, kw = mx.random.split(mx.random.key(11))
     rows, k, n = 11, 1000 * (16 // dtype.size), 203  # two launches; a partial last block
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
@@ -642,20 +649,19 @@ def epilogues_available(dtype: mx.Dtype) -> bool:
     after a plain product compute, bit for bit: residual + product (then cast to fp32) and
     silu(gate) * up (probed once per dtype; a disagreement warns). QWEN38_ROWS_EPILOGUES:
     auto | off | force (skip the probe)."""
-    choice = kernel_switch("QWEN38_ROWS_EPILOGUES")
-    if choice == "off" or not available(dtype):
-        return False
-    if choice == "force":
-        return True
+    switched = _switched("QWEN38_ROWS_EPILOGUES", lambda: available(dtype))
+    if switched is not None:
+        return switched
     kx, kw, kr = mx.random.split(mx.random.key(13), 3)
     rows, k, n = 3, 64 * (16 // dtype.size), 2 * 701  # odd pairs: a partial last warp
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
     w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(dtype)
     res = (4 * mx.random.normal((rows, n), key=kr)).astype(dtype)
-    try:
+
+    def pairs() -> list[tuple[mx.array, mx.array]]:
         plain = rows_matmul(x, w)
         gate, up = mx.split(plain, 2, axis=-1)
-        pairs = [
+        return [
             (rows_matmul(x, w, residual=res), res + plain),
             (
                 rows_matmul(x, w, residual=res.astype(mx.float32), dtype=mx.float32),
@@ -663,13 +669,8 @@ def epilogues_available(dtype: mx.Dtype) -> bool:
             ),
             (rows_matmul(x, w, swiglu=True), _swiglu(gate, up)),
         ]
-        same = all(mx.array_equal(got, want).item() for got, want in pairs)
-    except Exception as e:  # noqa: BLE001 - any failure means: the ops run after the product
-        warnings.warn(f"rows matmul epilogues unavailable ({e})", stacklevel=2)
-        return False
-    if not same:
-        warnings.warn("rows matmul epilogues disagree with the ops they replace", stacklevel=2)
-    return same
+
+    return _same_bits(pairs, "rows matmul epilogues", "the ops they replace")
 
 
 @functools.cache
@@ -678,11 +679,9 @@ def norm_available(dtype: mx.Dtype) -> bool:
     gives each row the bits of that row alone, of the stand-alone norm kernel (rows too wide
     for shared memory) and close to the op path's norm then product (probed once per dtype; a
     disagreement warns). QWEN38_ROWS_NORM: auto | off | force (skip the probe)."""
-    choice = kernel_switch("QWEN38_ROWS_NORM")
-    if choice == "off" or not epilogues_available(dtype):
-        return False
-    if choice == "force":
-        return True
+    switched = _switched("QWEN38_ROWS_NORM", lambda: epilogues_available(dtype))
+    if switched is not None:
+        return switched
     kx, kw, ks = mx.random.split(mx.random.key(19), 3)
     # 5 rows of this width are normed apart (past X_SHARED_MAX), one row in the prologue
     rows, k, n = 5, X_SHARED_MAX // (4 * dtype.size), 203
@@ -698,14 +697,23 @@ def norm_available(dtype: mx.Dtype) -> bool:
 
     if not probe_rows(fused, x, want, 1e-3, "rows matmul norm prologue"):
         return False
+    return _same_bits(
+        lambda: [(rows_matmul(norm_rows(x[:1], scale, eps, dtype), w), fused(x[:1]))],
+        "rows matmul norm kernel",
+        "the norm prologue",
+    )
+
+
+def _same_bits(pairs, what: str, reference: str) -> bool:
+    """Whether each (got, want) of `pairs()` is equal bit for bit; a failure to run or a
+    difference warns, naming `what` and its `reference` (the caller then runs ops)."""
     try:
-        apart = rows_matmul(norm_rows(x[:1], scale, eps, dtype), w)
-        same = mx.array_equal(apart, fused(x[:1])).item()
-    except Exception as e:  # noqa: BLE001 - any failure means: the norm runs as an op
-        warnings.warn(f"rows matmul norm kernel unavailable ({e})", stacklevel=2)
+        same = all(mx.array_equal(got, want).item() for got, want in pairs())
+    except Exception as e:  # noqa: BLE001 - any failure means: the ops run instead
+        warnings.warn(f"{what} unavailable ({e})", stacklevel=3)
         return False
     if not same:
-        warnings.warn("rows matmul norm kernel disagrees with the prologue", stacklevel=2)
+        warnings.warn(f"{what}: not bit-equal to {reference}", stacklevel=3)
     return same
 
 

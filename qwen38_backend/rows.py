@@ -40,7 +40,6 @@ verify may have and stay exact on this device.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,6 +47,8 @@ from contextvars import ContextVar
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .kernel_import import kernel_module
 
 STEP_MAX_ROWS = 16  # forwards of at most this many rows run as steps (row by row where it matters)
 GPU_PAD_ROWS = 8  # products of fewer rows are padded to this many on a GPU (module docstring)
@@ -76,7 +77,7 @@ def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> Non
     runs and passed its probe, else padded to pad_rows() (read here once, not per product);
     on the CPU, for a step of `rows` rows, row by row for the linears of `net` whose rows
     differ from one-row products (all of them when `net` or `rows` is not given)."""
-    kernels = _kernel_module()
+    kernels = kernel_module("rows_matmul")
     usable = kernels is not None and kernels.available(dtype)
     if usable:  # probed here, read by each product in a trace
         kernels.epilogues_available(dtype)
@@ -348,7 +349,7 @@ def _kernel_product(
     weight, bias = _dense_weight(linear)
     if weight is None or weight.dtype != kernel_for:  # the dtype the kernel's probe passed
         return None
-    kernels = _kernel_module()
+    kernels = kernel_module("rows_matmul")
     fused = (residual is not None or swiglu) and bias is None and x.ndim == 2
     if fused and kernels.epilogues_available(weight.dtype):
         if kernels.fits(x, weight, residual, swiglu):
@@ -385,7 +386,7 @@ def _normed_product(
     weight, bias = _dense_weight(linear)
     if weight is None or weight.dtype != kernel_for or bias is not None:
         return None
-    kernels = _kernel_module()
+    kernels = kernel_module("rows_matmul")
     scale = norm.scale()
     if not kernels.norm_available(weight.dtype) or not kernels.fits(
         x, weight, residual, swiglu, scale
@@ -441,14 +442,3 @@ def _dense_weight(linear) -> tuple[mx.array | None, mx.array | None]:
     if type(owner) is nn.Embedding and linear.__name__ == "as_linear":
         return owner.weight, None
     return None, None
-
-
-@functools.cache
-def _kernel_module():
-    """kernels/rows_matmul.py, or None in a source tree that was not installed (the package
-    maps `kernels/` to `qwen38_backend.kernels` at install)."""
-    try:
-        from .kernels import rows_matmul
-    except ImportError:
-        return None
-    return rows_matmul

@@ -8,15 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-
-def _kernel_module():
-    """kernels/decode_attention.py, or None in a source tree that was not installed (the
-    package maps `kernels/` to `qwen38_backend.kernels` at install)."""
-    try:
-        from ..kernels import decode_attention
-    except ImportError:
-        return None
-    return decode_attention
+from ..kernel_import import kernel_module
 
 
 def attend_one_token(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
@@ -45,7 +37,7 @@ def attend_pages(
     same bits: the kernel's probe checks it)."""
     if pages.ndim != 2 or pages.shape[0] != pool_k.shape[1]:
         raise ValueError(f"pages must be [Hkv={pool_k.shape[1]}, n], got {pages.shape}")
-    kernel = _kernel_module()
+    kernel = kernel_module("decode_attention")
     if READ_PAGES_IN_PLACE and kernel is not None and kernel.usable(q, pool_k, pool_v, page_tokens):
         return kernel.decode_attention(
             q, pool_k, pool_v, scale, pages=pages, page_tokens=page_tokens, length=length
@@ -68,7 +60,7 @@ def attend_rows(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> 
     """Causal attention of the newest T positions, q [1, Hq, T, D], over keys / values
     [1, Hkv, L, D]: row t reads the first L - T + 1 + t keys, with the bits of a one-token
     step at that length (the kernel takes every row in one call; elsewhere row by row)."""
-    kernel = _kernel_module()
+    kernel = kernel_module("decode_attention")
     if kernel is not None and kernel.usable(q, keys, values):
         return kernel.decode_attention(q, keys, values, scale)
     rows, length = q.shape[2], keys.shape[2]

@@ -28,6 +28,8 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 
+from ..kernel_import import kernel_module
+
 _SIGN = 0x80000000
 _LOW32 = 0xFFFFFFFF
 # Page min/max are kept in bf16 rounded outward (outward_bf16): half the bytes of fp32, still
@@ -212,19 +214,10 @@ def op_page_keys(
     return order_keys(scores)
 
 
-def _kernel_module():
-    """kernels/quest_select.py, or None in a source tree without the kernels."""
-    try:
-        from ..kernels import quest_select
-    except ImportError:
-        return None
-    return quest_select
-
-
 def kernel_usable(q: mx.array, kmin: mx.array, kmax: mx.array) -> bool:
     """Whether the page-key kernel runs for these operands. QWEN38_QUEST_KERNEL: auto (probe
     once per shape, `kernel_mismatch`), off, force (skip the probe)."""
-    kernel = _kernel_module()
+    kernel = kernel_module("quest_select")
     if kernel is None:
         return False
     from ..kernels.switch import kernel_switch  # present with the kernel module
@@ -243,7 +236,7 @@ def kernel_mismatch(
     """Run the page-key kernel and op_page_keys on random metadata (shared and per head, a
     partial capacity, sinks and a recent window): None when the selections agree and the
     bounds agree to fp32 rounding, else what differs."""
-    kernel = _kernel_module()
+    kernel = kernel_module("quest_select")
     keys = mx.random.split(mx.random.key(5), 3)
     capacity, live, n_select = 1500, 1234, 64
     q = mx.random.normal((hq, d), key=keys[0]).astype(q_dtype)
@@ -299,7 +292,7 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
 
     def run(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
         if kernel_usable(q, kmin, kmax):
-            kernel = _kernel_module()
+            kernel = kernel_module("quest_select")
             keys = kernel.page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
             return mx.broadcast_to(top(keys), (kmin.shape[0], n_select))
         return ops(q, kmin, kmax, n_pages)

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
+from ..kernel_import import kernel_module
 from ..rows import STEP_MAX_ROWS, project
 from ..state import Replayable, RewindError
 from .gated_delta import (
@@ -238,7 +239,7 @@ class GatedDeltaNet(nn.Module):
         steps use the fused CUDA kernel. Decided once per dtype: this runs every token."""
         if getattr(self, "_kernel_checked", None) == str(dtype):
             return
-        kernels = _kernel_module()
+        kernels = kernel_module("gdn_decode")
         usable = kernels is not None and kernels.available(self._core_spec(), dtype)
         self._kernel_for = str(dtype) if usable else ""
         self._kernel_checked = str(dtype)
@@ -266,7 +267,7 @@ class GatedDeltaNet(nn.Module):
         weights = (self.conv1d.weight[:, :, 0].astype(dtype), self.A_log, self.dt_bias)
         T = x.shape[0]
         if getattr(self, "_kernel_for", "") == str(dtype):
-            o, last, states = _kernel_module().gdn_decode_rows(
+            o, last, states = kernel_module("gdn_decode").gdn_decode_rows(
                 qkv, z, b, a, conv, *weights, recurrent, self.norm.weight, spec=spec
             )
         else:
@@ -359,23 +360,12 @@ def _row(states: mx.array, i: int) -> mx.array:
     return states[i : i + 1].reshape(states.shape[1:])
 
 
-def _kernel_module():
-    """kernels/gdn_decode.py, or None in a source tree that was not installed (the package
-    maps `kernels/` to `qwen38_backend.kernels` at install); the op path then runs."""
-    try:
-        from ..kernels import gdn_decode
-    except ImportError:
-        return None
-    return gdn_decode
-
-
 def _chunk_parts(dk: int, dv: int) -> dict:
     """The chunked form's per-chunk solve and scan over chunks: kernels/gdn_prefill.py's
     launches where they run and agree with the op path (each probed once per shape), else
     the op path's."""
-    try:
-        from ..kernels import gdn_prefill
-    except ImportError:
+    gdn_prefill = kernel_module("gdn_prefill")
+    if gdn_prefill is None:
         return {}
     parts = {}
     if gdn_prefill.available("solve", dk, dv, CHUNK):

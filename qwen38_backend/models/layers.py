@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernel_import import kernel_module
 from ..rows import (
     STEP_MAX_ROWS,
     forward_pad,
@@ -273,7 +273,7 @@ class Attention(nn.Module):
         """project_qkv's outputs from the fused rows of a step, the q/k norms and RoPE in one
         CUDA launch (kernels/qk_norm_rope.py; prepare_decode chose it)."""
         T, D, kv_heads = qkv.shape[0], self.head_dim, self.n_kv_heads
-        q, k, gate = _qk_kernel_module().qk_norm_rope(
+        q, k, gate = kernel_module("qk_norm_rope").qk_norm_rope(
             qkv, self.q_norm.scale(), self.k_norm.scale(), offset, self._qk_layout
         )
         v = qkv[:, -kv_heads * D :].reshape(1, T, kv_heads, D).transpose(0, 2, 1, 3)
@@ -292,7 +292,7 @@ class Attention(nn.Module):
             return
         self._qk_checked = str(dtype)
         self._qk_kernel_for = ""
-        kernels = _qk_kernel_module()
+        kernels = kernel_module("qk_norm_rope")
         norms = (self.q_norm, self.k_norm) if self.has_qk_norm else ()
         if (
             kernels is None
@@ -473,14 +473,3 @@ class SwiGLU(nn.Module):
         elif (y := swiglu_product(self.gate_up_proj, x)) is None:
             y = swiglu(*mx.split(project(self.gate_up_proj, x), 2, axis=-1))
         return project(self.down_proj, y, residual=residual, dtype=dtype)
-
-
-@functools.cache
-def _qk_kernel_module():
-    """kernels/qk_norm_rope.py, or None in a source tree that was not installed (the package
-    maps `kernels/` to `qwen38_backend.kernels` at install); the op path then runs."""
-    try:
-        from ..kernels import qk_norm_rope
-    except ImportError:
-        return None
-    return qk_norm_rope
