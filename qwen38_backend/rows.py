@@ -343,11 +343,8 @@ def _kernel_product(
     swiglu_product take them: in the kernel's epilogues where they passed their probe (2-D
     rows, no bias), else a residual as ops after the kernel's product and no swiglu (None:
     the caller splits the product)."""
-    kernel_for = _PLAN.get()[1]
-    if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
-        return None
-    weight, bias = _dense_weight(linear)
-    if weight is None or weight.dtype != kernel_for:  # the dtype the kernel's probe passed
+    weight, bias = _kernel_weight(linear, x)
+    if weight is None:
         return None
     kernels = kernel_module("rows_matmul")
     fused = (residual is not None or swiglu) and bias is None and x.ndim == 2
@@ -378,13 +375,10 @@ def _normed_product(
     epilogues as _kernel_product takes them) where this forward's plan runs the kernel, the
     prologue passed its probe and takes this norm (zero-centred: an fp32 scale) and these
     operands (2-D rows, a dense weight of the kernel's dtype, no bias), else None."""
-    kernel_for = _PLAN.get()[1]
-    if kernel_for is None or not getattr(norm, "zero_centered", False):
+    if x.ndim != 2 or not getattr(norm, "zero_centered", False):
         return None
-    if x.ndim != 2 or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
-        return None
-    weight, bias = _dense_weight(linear)
-    if weight is None or weight.dtype != kernel_for or bias is not None:
+    weight, bias = _kernel_weight(linear, x)
+    if weight is None or bias is not None:
         return None
     kernels = kernel_module("rows_matmul")
     scale = norm.scale()
@@ -395,6 +389,19 @@ def _normed_product(
     return kernels.rows_matmul(
         x, weight, residual=residual, dtype=dtype, swiglu=swiglu, norm=(scale, norm.eps)
     )
+
+
+def _kernel_weight(linear, x: mx.array) -> tuple[mx.array | None, mx.array | None]:
+    """(weight, bias) of `linear` where this forward's plan runs the row-invariant kernel
+    for it and rows x (a dense weight of the dtype its probe passed, a step's rows of that
+    dtype or fp32), else (None, None)."""
+    kernel_for = _PLAN.get()[1]
+    if kernel_for is None or x.shape[0] > STEP_MAX_ROWS or x.dtype not in (kernel_for, mx.float32):
+        return None, None
+    weight, bias = _dense_weight(linear)
+    if weight is None or weight.dtype != kernel_for:
+        return None, None
+    return weight, bias
 
 
 def _finished(y: mx.array, residual: mx.array | None, dtype: mx.Dtype | None) -> mx.array:
