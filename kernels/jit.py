@@ -11,6 +11,7 @@ code (only comments and whitespace go; line breaks stay for the preprocessor).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 
 def compact(source: str) -> str:
@@ -43,3 +44,8 @@ def _without_comment(line: str) -> str:
 def cuda_kernel(*, source: str, header: str = "", **options):
     """mx.fast.cuda_kernel(source=..., header=..., **options) with both compacted."""
     return mx.fast.cuda_kernel(source=compact(source), header=compact(header), **options)
+
+
+def float32_literal(value: float) -> str:
+    """`value` rounded to fp32, as an exact C hex literal (a constant baked into a source)."""
+    return float(np.float32(value)).hex() + "f"

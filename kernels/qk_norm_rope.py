@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .jit import cuda_kernel
-from .switch import kernel_switch
+from .jit import cuda_kernel, float32_literal
+from .switch import switched
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,6 @@ _SOURCE = """
 """
 
 
-def _float32_literal(value: float) -> str:
-    """`value` rounded to fp32, as an exact C hex literal."""
-    return float(np.float32(value)).hex() + "f"
-
-
 @functools.cache
 def _kernel(layout: HeadLayout):
     constants = {
@@ -112,10 +107,10 @@ def _kernel(layout: HeadLayout):
         "__DIMS__": str(layout.dims),
         "__GATED__": "true" if layout.gated else "false",
         "__INTERLEAVED__": "true" if layout.interleaved else "false",
-        "__EPS__": _float32_literal(layout.eps),
+        "__EPS__": float32_literal(layout.eps),
         # MLX passes log2(base) computed in fp32 on the host
-        "__LOG2_BASE__": _float32_literal(math.log2(float(np.float32(layout.base)))),
-        "__ROPE_SCALE__": _float32_literal(layout.scale),
+        "__LOG2_BASE__": float32_literal(math.log2(float(np.float32(layout.base)))),
+        "__ROPE_SCALE__": float32_literal(layout.scale),
     }
     source = _SOURCE
     for name, value in constants.items():
@@ -202,13 +197,10 @@ def available(layout: HeadLayout, dtype: mx.Dtype) -> bool:
     agrees with the op path within two ulps of `dtype` (probed once per layout and dtype);
     else False, with a warning when it ran but disagreed. QWEN38_QK_KERNEL: auto | off |
     force (skip the probe)."""
-    choice = kernel_switch("QWEN38_QK_KERNEL")
-    if choice == "off" or dtype not in (mx.float16, mx.bfloat16, mx.float32):
-        return False
-    if not supported(layout):
-        return False
-    if choice == "force":
-        return True
+    dtypes = (mx.float16, mx.bfloat16, mx.float32)
+    decided = switched("QWEN38_QK_KERNEL", lambda: dtype in dtypes and supported(layout))
+    if decided is not None:
+        return decided
     keys = mx.random.split(mx.random.key(17), 3)
     rows, d = 5, layout.head_dim
     width = layout.q_width() + 2 * layout.kv_heads * d

@@ -35,8 +35,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .decode_attention import ASYNC_COPIES  # cp.async's commit and wait
-from .jit import cuda_kernel
-from .switch import kernel_switch
+from .jit import cuda_kernel, float32_literal
+from .switch import switched
 
 THREADS = 256
 ROWS_PER_LAUNCH = 8
@@ -369,7 +369,7 @@ def _kernel(staged: bool, shared_bytes: int, epilogue: str = "", eps: float | No
         + (["res"] if epilogue == "residual" else []),
         output_names=["y"],
         source=source.replace("__STORE__", STORES[epilogue]).replace(
-            "__EPS__", _float_literal(eps or 0.0)
+            "__EPS__", float32_literal(eps or 0.0)
         ),
         header=EPILOGUE_HEADERS[epilogue]
         + CHUNKS
@@ -388,15 +388,10 @@ def _norm_kernel(eps: float):
         input_names=["x", "scale"],
         output_names=["y"],
         source=NORM_SOURCE.replace("__THREADS__", str(THREADS)).replace(
-            "__EPS__", _float_literal(eps)
+            "__EPS__", float32_literal(eps)
         ),
         header=CHUNKS + X_LOAD + NORM_ROWS,
     )
-
-
-def _float_literal(value: float) -> str:
-    """`value` rounded to fp32, as an exact C hex literal."""
-    return float(np.float32(value)).hex() + "f"
 
 
 def _eps_tag(eps: float) -> str:
@@ -616,24 +611,14 @@ def supported() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def _switched(variable: str, ready, default: str = "auto") -> bool | None:
-    """What the switch `variable` (unset: `default`) decides without a probe: False where it
-    is off or `ready()` (what the probe needs first) is not, True where it is force, else
-    None."""
-    choice = kernel_switch(variable, default)
-    if choice == "off" or not ready():
-        return False
-    return True if choice == "force" else None
-
-
 @functools.cache
 def available(dtype: mx.Dtype) -> bool:
     """True when the kernel runs here, its rows equal one-row launches bit for bit and it
     agrees with an fp32 product (probed once per dtype); else False, with a warning when it
     ran but disagreed. QWEN38_ROWS_KERNEL: auto | off | force (skip the probe)."""
-    switched = _switched("QWEN38_ROWS_KERNEL", lambda: dtype in DTYPES and supported())
-    if switched is not None:
-        return switched
+    decided = switched("QWEN38_ROWS_KERNEL", lambda: dtype in DTYPES and supported())
+    if decided is not None:
+        return decided
     kx, kw = mx.random.split(mx.random.key(11))
     rows, k, n = 11, 1000 * (16 // dtype.size), 203  # two launches; a partial last block
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
@@ -650,9 +635,9 @@ def epilogues_available(dtype: mx.Dtype) -> bool:
     after a plain product compute, bit for bit: residual + product (then cast to fp32) and
     silu(gate) * up (probed once per dtype; a disagreement warns). QWEN38_ROWS_EPILOGUES:
     auto | off | force (skip the probe)."""
-    switched = _switched("QWEN38_ROWS_EPILOGUES", lambda: available(dtype))
-    if switched is not None:
-        return switched
+    decided = switched("QWEN38_ROWS_EPILOGUES", lambda: available(dtype))
+    if decided is not None:
+        return decided
     kx, kw, kr = mx.random.split(mx.random.key(13), 3)
     rows, k, n = 3, 64 * (16 // dtype.size), 2 * 701  # odd pairs: a partial last warp
     x = mx.random.normal((rows, k), key=kx).astype(dtype)
@@ -684,9 +669,9 @@ def norm_available(dtype: mx.Dtype) -> bool:
     Off by default until measured: its only H200 run (session 26) never ran it, because this
     probe then judged bf16 products by fp32's ulp (fixed since), so neither its speed on
     the 27B's step nor its GPU tests have been seen."""
-    switched = _switched("QWEN38_ROWS_NORM", lambda: epilogues_available(dtype), "off")
-    if switched is not None:
-        return switched
+    decided = switched("QWEN38_ROWS_NORM", lambda: epilogues_available(dtype), "off")
+    if decided is not None:
+        return decided
     kx, kw, ks = mx.random.split(mx.random.key(19), 3)
     # 5 rows of this width are normed apart (past X_SHARED_MAX), one row in the prologue
     rows, k, n = 5, X_SHARED_MAX // (4 * dtype.size), 203

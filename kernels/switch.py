@@ -17,3 +17,13 @@ def kernel_switch(variable: str, default: str = "auto") -> str:
             f"{variable}={os.environ[variable]!r}: must be one of {', '.join(CHOICES)}"
         )
     return value
+
+
+def switched(variable: str, ready, default: str = "auto") -> bool | None:
+    """What the switch `variable` (unset: `default`) decides without a probe: False where it
+    is off or `ready()` (what the probe needs first) is not, True where it is force, else
+    None (the caller probes)."""
+    choice = kernel_switch(variable, default)
+    if choice == "off" or not ready():
+        return False
+    return True if choice == "force" else None
