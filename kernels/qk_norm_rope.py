@@ -64,9 +64,7 @@ _SOURCE = """
     const long long col = is_q ? (long long)h * (GATED ? 2 * D : D) + i
                                : (long long)H * (GATED ? 2 * D : D) + (long long)(h - H) * D + i;
     const float x = static_cast<float>(qkv[row + col]);
-    if constexpr (GATED) {
-        if (is_q) gate[((long long)t * H + h) * D + i] = qkv[row + col + D];
-    }
+    __GATE_COPY__
     __shared__ float parts[D / 32];
     __shared__ float normed[D];
     float ss = x * x;
@@ -112,6 +110,9 @@ def _kernel(layout: HeadLayout):
         "__LOG2_BASE__": float32_literal(math.log2(float(np.float32(layout.base)))),
         "__ROPE_SCALE__": float32_literal(layout.scale),
     }
+    # an ungated build has no `gate` output to name, even in a discarded branch
+    gate_copy = "if (is_q) gate[((long long)t * H + h) * D + i] = qkv[row + col + D];"
+    constants["__GATE_COPY__"] = gate_copy if layout.gated else ""
     source = _SOURCE
     for name, value in constants.items():
         source = source.replace(name, value)
