@@ -1,0 +1,146 @@
+"""Whether one-row products that warm L2 with the next product's weights run a decode
+step's chain of products faster (kernels/rows_matmul.py: `ahead`, AHEAD_BYTES,
+STREAM_WEIGHTS), against the same chain without it and MLX's gemv, in one process:
+
+    python benchmarks/bench_products_ahead_gpu.py --layers 16 --runs 5 --out ahead.json
+
+Why: under ncu a 64-layer 27B step's 257 one-row products took ~14 ms for 51.8 GB (3.7
+TB/s), while the 2.5 GB lm_head alone reached 4.56 TB/s (step_kernels_64l_2k_s27_*.json):
+each launch loses a few microseconds to its ramp-up and its last, partly idle wave.
+
+The chain is a Gated DeltaNet layer's products at the 27B's shapes, --layers times (random
+bf16 weights, each layer its own): in_proj (16480 x 5120), out_proj (5120 x 6144) plus the
+residual, the fused gate/up (34816 x 5120) with the swiglu epilogue, down (5120 x 17408) plus
+the residual; each takes the previous one's output, so they run one after another as a
+step's do. `--inner` chains are queued and evaluated at once (the host stays ahead of the
+device); per mode the median ms of a chain over `--runs` and the weights' TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import environment, eval_seconds, median_of, write_json  # noqa: E402
+
+# (in_proj, out_proj, gate/up, down) of a 27B Gated DeltaNet layer: (N, K)
+SHAPES = ((16480, 5120), (5120, 6144), (2 * 17408, 5120), (5120, 17408))
+# mode -> (ahead bytes, 0: none; weights streamed)
+MODES = {
+    "plain": (0, False),
+    "stream": (0, True),
+    "ahead_8m": (8 << 20, False),
+    "ahead_16m": (16 << 20, False),
+    "ahead_32m": (32 << 20, False),
+    "ahead_16m_stream": (16 << 20, True),
+}
+
+
+def weights(layers: int) -> list[list[mx.array]]:
+    out = []
+    for i in range(layers):
+        layer = []
+        for j, (n, k) in enumerate(SHAPES):
+            key = mx.random.key(4 * i + j)
+            layer.append((mx.random.normal((n, k), key=key) * k**-0.5).astype(mx.bfloat16))
+        mx.eval(layer)
+        out.append(layer)
+    return out
+
+
+def chain(ws: list[list[mx.array]], x: mx.array, ahead: bool) -> mx.array:
+    """The layers' products one after another (kernels/rows_matmul.py), each given the next
+    one's weights where `ahead`."""
+    from qwen38_backend.kernels.rows_matmul import rows_matmul
+
+    flat = [w for layer in ws for w in layer]
+
+    def nxt(i: int, j: int) -> mx.array | None:
+        return flat[(4 * i + j + 1) % len(flat)] if ahead else None
+
+    for i, (w_in, w_out, w_up, w_down) in enumerate(ws):
+        a = rows_matmul(x, w_in, ahead=nxt(i, 0))
+        h = rows_matmul(a[:, : w_out.shape[1]], w_out, residual=x, ahead=nxt(i, 1))
+        g = rows_matmul(h, w_up, swiglu=True, ahead=nxt(i, 2))
+        x = rows_matmul(g, w_down, residual=h, ahead=nxt(i, 3))
+    return x
+
+
+def gemv_chain(ws: list[list[mx.array]], x: mx.array) -> mx.array:
+    """The same chain as MLX's own products (its gemv) and elementwise ops."""
+    for w_in, w_out, w_up, w_down in ws:
+        a = x @ w_in.T
+        h = x + a[:, : w_out.shape[1]] @ w_out.T
+        gate, up = mx.split(h @ w_up.T, 2, axis=-1)
+        x = h + (gate * mx.sigmoid(gate) * up) @ w_down.T
+    return x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--inner", type=int, default=4, help="chains queued per evaluation")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="evaluations per run (median)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    ws = weights(args.layers)
+    nbytes = sum(w.nbytes for layer in ws for w in layer)
+    x0 = (mx.random.normal((1, SHAPES[0][1]), key=mx.random.key(99))).astype(mx.bfloat16)
+
+    def timed(fn) -> float:
+        def many() -> mx.array:
+            x = x0
+            for _ in range(args.inner):
+                x = fn(x) * 0.5  # keep the values in range chain after chain
+            return x
+
+        return 1e3 * eval_seconds(many, args.repeats) / args.inner
+
+    def with_mode(name: str):
+        def fn(x: mx.array) -> mx.array:
+            kernel.AHEAD_BYTES, kernel.STREAM_WEIGHTS = MODES[name]
+            return chain(ws, x, ahead=MODES[name][0] > 0)
+
+        return fn
+
+    # the same bits in every mode (a prefetch is a hint; streamed loads read the same bytes)
+    first = {name: with_mode(name)(x0) for name in MODES}
+    mx.eval(list(first.values()))
+    same = {n: bool(mx.array_equal(first[n], first["plain"]).item()) for n in MODES}
+
+    modes = {name: [] for name in [*MODES, "mlx_gemv"]}
+    for _ in range(args.runs):  # modes alternate within each run
+        for name in MODES:
+            modes[name].append(timed(with_mode(name)))
+        modes["mlx_gemv"].append(timed(lambda x: gemv_chain(ws, x)))
+    result = {
+        "benchmark": "one-row product chain, 27B Gated DeltaNet layer shapes, bf16",
+        "environment": environment(),
+        "layers": args.layers,
+        "inner": args.inner,
+        "weights_bytes": nbytes,
+        "ahead_blocks": kernel.AHEAD_BLOCKS,
+        "same_bits_as_plain": same,
+        "modes": {},
+    }
+    for name, values in modes.items():
+        stats = median_of(len(values), iter(values).__next__)
+        stats["tb_s"] = nbytes / (stats["median"] / 1e3) / 1e12
+        result["modes"][name] = stats
+    base = result["modes"]["plain"]["median"]
+    for stats in result["modes"].values():
+        stats["vs_plain"] = stats["median"] / base
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
