@@ -27,7 +27,7 @@ import mlx.core as mx
 from qwen38_backend.models.gated_delta import CoreSpec, gdn_core
 
 from .jit import cuda_kernel
-from .switch import kernel_switch
+from .switch import switched
 
 THREADS = 256
 
@@ -243,11 +243,10 @@ def supported(spec: CoreSpec) -> bool:
 def available(spec: CoreSpec, dtype: mx.Dtype) -> bool:
     """True when the kernel runs here and agrees with the op path on random inputs (probed
     once per shape and dtype); else False, with a warning when it ran but disagreed."""
-    choice = kernel_switch("QWEN38_GDN_KERNEL")  # auto | off | force (skip the probe)
-    if choice == "off" or not supported(spec):
-        return False
-    if choice == "force":
-        return True
+    # QWEN38_GDN_KERNEL: auto | off | force (skip the probe)
+    decided = switched("QWEN38_GDN_KERNEL", lambda: supported(spec))
+    if decided is not None:
+        return decided
     hk, hv, dk, dv, _, _ = spec
     kw = 4
     conv_dim = 2 * hk * dk + hv * dv

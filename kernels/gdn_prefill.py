@@ -34,7 +34,7 @@ import mlx.core as mx
 from qwen38_backend.models.gated_delta import scan_chunks, solve_chunks
 
 from .jit import cuda_kernel
-from .switch import kernel_switch
+from .switch import switched
 
 THREADS = 256
 COLUMNS = 32  # value columns per block: one warp's lanes
@@ -267,11 +267,9 @@ def available(kind: str, dk: int, dv: int, chunk: int) -> bool:
     """True when kernel `kind` ("solve" or "scan") runs here and agrees with the op path on
     random inputs (`probe`, once per shape); else False, with a warning when it ran but
     disagreed. QWEN38_GDN_PREFILL_KERNEL: auto | off | force (skip the probe)."""
-    choice = kernel_switch("QWEN38_GDN_PREFILL_KERNEL")
-    if choice == "off" or not supported(dk, dv, chunk):
-        return False
-    if choice == "force":
-        return True
+    decided = switched("QWEN38_GDN_PREFILL_KERNEL", lambda: supported(dk, dv, chunk))
+    if decided is not None:
+        return decided
     why = probe(kind, dk, dv, chunk)
     if why is not None:
         warnings.warn(f"GDN chunk {kind} kernel {why}; using the op path", stacklevel=2)
