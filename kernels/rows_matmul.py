@@ -57,13 +57,6 @@ CHUNK_BYTES = 16
 # its L1, fixed in session 26: ncu_products_s26.json. They may deserve a new measurement.)
 X_SHARED = "wide"
 X_SHARED_MAX = 32 * 1024
-# A product given the next product's weights (`ahead`) has its last AHEAD_BLOCKS blocks ask
-# L2 to keep the first AHEAD_BYTES of them (prefetch, evict-last): a launch's own ramp-up and
-# last blocks leave DRAM idle, and the next launch's first loads then hit L2. STREAM_WEIGHTS:
-# the register walk loads weights as streamed (evict-first), so they do not push those out.
-AHEAD_BLOCKS = 132
-AHEAD_BYTES = 16 << 20
-STREAM_WEIGHTS = False
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 # The kernel's set-up, sums and reduction, kept apart from its per-vector step: the warp's
@@ -90,14 +83,10 @@ ACCUMULATORS = """
         for (int j = 0; j < NW; ++j) acc[r][j] = 0.0f;
 """
 WALK = """
-    auto load_w = [](const W* p) -> W {
-        if constexpr (WS) return __ldcs(p);  // streamed: evicted first
-        else return *p;
-    };
     auto load = [&](W (&wr)[NW], int c) {
 #pragma unroll
         for (int j = 0; j < NW; ++j)
-            wr[j] = n0 + j < N ? load_w(wv + row(j) * KV + c) : W{};
+            wr[j] = n0 + j < N ? wv[row(j) * KV + c] : W{};
     };
     int c = first;
     for (; c + stride * (U - 1) < KV; c += stride * U) {
@@ -306,19 +295,6 @@ X_COPY_NORMED = """
         qwen38_rows::normed_rows<__THREADS__, T, X, R>(
             x, scale, x_shape[1], __EPS__, xt, norm_parts);
 """
-# The last AB blocks (they start last) prefetch the next product's first AM bytes into L2,
-# 128-byte lines spread over them (the `ahead` input: any 2-D array).
-AHEAD_PREFETCH = """
-    const int ab = AB < (int)gridDim.x ? AB : (int)gridDim.x;
-    if (const int b = (int)blockIdx.x - ((int)gridDim.x - ab); b >= 0) {
-        const char* next = reinterpret_cast<const char*>(ahead);
-        const long long bytes = (long long)ahead_shape[0] * ahead_shape[1] * sizeof(*ahead);
-        const long long end = bytes < AM ? bytes : (long long)AM;
-        for (long long at = ((long long)b * __THREADS__ + threadIdx.x) * 128; at < end;
-             at += (long long)ab * __THREADS__ * 128)
-            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(next + at));
-    }
-"""
 # The stand-alone norm: block r norms row r into y (T), as the product's prologue would.
 NORM_SOURCE = """
     __shared__ float parts[__THREADS__ / 32];
@@ -342,7 +318,6 @@ _PRODUCT = (
     // and lanes read their x there: fp32 rows read through L1 by every warp would cost
     // twice the bytes of the weights they multiply
     T* xt = reinterpret_cast<T*>(smem_dyn + XO);
-    __AHEAD__
     if constexpr (XS) {
         __X_COPY__
         __syncthreads();
@@ -376,32 +351,21 @@ _STAGED_SOURCE = _PRODUCT + STAGED_WALK + REDUCE  # template S (steps copied ahe
 
 
 @functools.cache
-def _kernel(
-    staged: bool,
-    shared_bytes: int,
-    epilogue: str = "",
-    eps: float | None = None,
-    ahead: bool = False,
-):
+def _kernel(staged: bool, shared_bytes: int, epilogue: str = "", eps: float | None = None):
     """The product with the register walk, or with the staged walk, and that much shared
     memory (the staged walk's copies, then x's copy), storing its outputs as `epilogue`
-    says (STORES); with `eps`, x's rows are normed first (NORM_ROWS, a `scale` input); with
-    `ahead`, its last blocks prefetch the next product's weights (AHEAD_PREFETCH)."""
+    says (STORES); with `eps`, x's rows are normed first (NORM_ROWS, a `scale` input)."""
     source = (_STAGED_SOURCE if staged else _SOURCE).replace(
         "__X_COPY__", X_COPY if eps is None else X_COPY_NORMED
     )
-    source = source.replace("__AHEAD__", AHEAD_PREFETCH if ahead else "")
     source = source.replace("__THREADS__", str(THREADS))
     parts = ["qwen38_rows_matmul", *(["staged"] if staged else []), epilogue]
     if eps is not None:
         parts.append("norm" + _eps_tag(eps))
-    if ahead:
-        parts.append("ahead")
     return cuda_kernel(
         name="_".join(p for p in parts if p),
         input_names=["x", "w"]
         + (["scale"] if eps is not None else [])
-        + (["ahead"] if ahead else [])
         + (["res"] if epilogue == "residual" else []),
         output_names=["y"],
         source=source.replace("__STORE__", STORES[epilogue]).replace(
@@ -477,7 +441,6 @@ def rows_matmul(
     dtype: mx.Dtype | None = None,
     swiglu: bool = False,
     norm: tuple[mx.array, float] | None = None,
-    ahead: mx.array | None = None,
 ) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in w's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x of w's dtype, or fp32 for a half-precision w
@@ -490,12 +453,7 @@ def rows_matmul(
     Epilogues (each output as the ops after the product would compute it, one launch
     instead of two): `residual` [R, N] (w's dtype, or fp32 holding values of it): residual
     + the product in w's dtype, then cast to `dtype` (default w's); `swiglu`: w's rows are a
-    fused [gate; up] pair of N / 2 each, the output [R, N / 2] is silu(gate) * up.
-
-    `ahead`: the next product's weights (2-D), prefetched into L2 by the last blocks (a
-    hint: the bits do not change)."""
-    if ahead is not None and ahead.ndim != 2:
-        ahead = None
+    fused [gate; up] pair of N / 2 each, the output [R, N / 2] is silu(gate) * up."""
     n, k, size = w.shape[0], w.shape[1], w.dtype.size
     copy_x = X_SHARED == "all" or (x.dtype != w.dtype and X_SHARED == "wide") or bool(norm)
     if copy_x and min(x.shape[0], ROWS_PER_LAUNCH) * k * size > X_SHARED_MAX:
@@ -507,9 +465,6 @@ def rows_matmul(
     chunk = _chunk(w.dtype)
     epilogue = "swiglu" if swiglu else "residual" if residual is not None else ""
     template = [("T", w.dtype), ("X", x.dtype), ("C", chunk), ("SWIGLU", swiglu)]
-    template.append(("WS", STREAM_WEIGHTS))
-    if ahead is not None:
-        template += [("AB", AHEAD_BLOCKS), ("AM", AHEAD_BYTES)]
     out_dtype = w.dtype
     if residual is not None:
         out_dtype = dtype or w.dtype
@@ -518,12 +473,11 @@ def rows_matmul(
     eps = None if norm is None else norm[1]
 
     def launch(rows: int) -> tuple:
-        x_bytes = rows * k * size if copy_x else 0
-        return _launch(rows, n, chunk * size, x_bytes, epilogue, eps, ahead is not None)
+        return _launch(rows, n, chunk * size, rows * k * size if copy_x else 0, epilogue, eps)
 
     by_rows = [] if residual is None else [residual]
     width = n // 2 if swiglu else n
-    operands = [w] + ([] if norm is None else [norm[0]]) + ([] if ahead is None else [ahead])
+    operands = [w] if norm is None else [w, norm[0]]
     return launch_in_parts(launch, x, operands, n, template, out_dtype, by_rows, width)
 
 
@@ -546,13 +500,7 @@ def _chunk(dtype: mx.Dtype) -> int:
 
 
 def _launch(
-    rows: int,
-    n: int,
-    chunk_bytes: int,
-    x_bytes: int,
-    epilogue: str = "",
-    eps: float | None = None,
-    ahead: bool = False,
+    rows: int, n: int, chunk_bytes: int, x_bytes: int, epilogue: str = "", eps: float | None = None
 ) -> tuple:
     """(kernel, template constants) of a launch of `rows` rows and `n` outputs, with x's
     rows copied to `x_bytes` of shared memory (0: read in place; normed with `eps`); a
@@ -562,9 +510,9 @@ def _launch(
     if rows >= STAGED_FROM:
         stages = STAGES * 16 // chunk_bytes  # the same bytes in flight for either chunk
         slots = THREADS * stages * nw * chunk_bytes
-        kernel = _kernel(True, slots + x_bytes, epilogue, eps, ahead)
+        kernel = _kernel(True, slots + x_bytes, epilogue, eps)
         return kernel, [*shape, ("XO", slots), ("S", stages)]
-    return _kernel(False, x_bytes, epilogue, eps, ahead), [*shape, ("XO", 0), ("U", loads)]
+    return _kernel(False, x_bytes, epilogue, eps), [*shape, ("XO", 0), ("U", loads)]
 
 
 def launch_in_parts(

@@ -628,28 +628,6 @@ def test_rows_matmul_norm_prologue(dtype, monkeypatch):
                 assert mx.array_equal(summed, want_sum).item(), (n, rows)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_rows_matmul_ahead_keeps_the_bits(stream, monkeypatch):
-    """A product that prefetches the next product's weights (`ahead`, streamed weight loads
-    or not) stores what the plain product stores, bit for bit, for every row count and
-    epilogue, with a next weight larger and smaller than AHEAD_BYTES."""
-    from qwen38_backend.kernels import rows_matmul as kernel
-
-    monkeypatch.setattr(kernel, "STREAM_WEIGHTS", stream)
-    monkeypatch.setattr(kernel, "AHEAD_BYTES", 1 << 20)
-    kx, kw, kn, kr = mx.random.split(mx.random.key(31), 4)
-    n, k = 2 * 701, 512
-    w = (mx.random.normal((n, k), key=kw) * k**-0.5).astype(mx.bfloat16)
-    x = mx.random.normal((9, k), key=kx).astype(mx.bfloat16)
-    res = mx.random.normal((9, n), key=kr).astype(mx.bfloat16)
-    for nxt in (mx.random.normal((4096, 1024), key=kn).astype(mx.bfloat16), w[:3]):
-        for rows in (1, 2, 5, 9):
-            for extra in ({}, {"swiglu": True}, {"residual": res[:rows]}):
-                plain = kernel.rows_matmul(x[:rows], w, **extra)
-                got = kernel.rows_matmul(x[:rows], w, ahead=nxt, **extra)
-                assert mx.array_equal(got, plain).item(), (rows, extra.keys(), nxt.shape)
-
-
 def test_step_norm_prologue_keeps_the_greedy_tokens(tmp_path, monkeypatch):
     """A bf16 tiny Qwen3.5 decoding with its blocks' norms in the products' prologues picks
     the greedy tokens of the op norms, its logits within bf16 rounding of them at every step,

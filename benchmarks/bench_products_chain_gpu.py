@@ -1,12 +1,7 @@
-"""Whether one-row products that warm L2 with the next product's weights run a decode
-step's chain of products faster (kernels/rows_matmul.py: `ahead`, AHEAD_BYTES,
-STREAM_WEIGHTS), against the same chain without it and MLX's gemv, in one process:
+"""The device time of a decode step's chain of one-row products, ours (kernels/rows_matmul.py)
+and MLX's gemv, in one process:
 
-    python benchmarks/bench_products_ahead_gpu.py --layers 16 --runs 5 --out ahead.json
-
-Why: under ncu a 64-layer 27B step's 257 one-row products took ~14 ms for 51.8 GB (3.7
-TB/s), while the 2.5 GB lm_head alone reached 4.56 TB/s (step_kernels_64l_2k_s27_*.json):
-each launch loses a few microseconds to its ramp-up and its last, partly idle wave.
+    python benchmarks/bench_products_chain_gpu.py --layers 16 --runs 5 --out chain.json
 
 The chain is a Gated DeltaNet layer's products at the 27B's shapes, --layers times (random
 bf16 weights, each layer its own): in_proj (16480 x 5120), out_proj (5120 x 6144) plus the
@@ -17,6 +12,10 @@ device's time only: `--inner` chains are queued behind a spin kernel long enough
 to queue them all (benchmarks/probe_step_graph.py's method; the host encodes our launches
 slower than MLX's gemv, so a chain timed from the host measures the host), minus the spin
 alone; per mode the median ms of a chain over `--runs` and the weights' TB/s.
+
+Session 27 used it (then with modes where each product prefetched the next one's weights
+into L2, since removed: commit 70e6775) to find that such a chain already reads its weights
+at ~4.0 TB/s (results/h200/products_chain_ahead_s27.json).
 """
 
 from __future__ import annotations
@@ -36,15 +35,6 @@ from probe_step_graph import spin_kernel  # noqa: E402
 
 # (in_proj, out_proj, gate/up, down) of a 27B Gated DeltaNet layer: (N, K)
 SHAPES = ((16480, 5120), (5120, 6144), (2 * 17408, 5120), (5120, 17408))
-# mode -> (ahead bytes, 0: none; weights streamed)
-MODES = {
-    "plain": (0, False),
-    "stream": (0, True),
-    "ahead_8m": (8 << 20, False),
-    "ahead_16m": (16 << 20, False),
-    "ahead_32m": (32 << 20, False),
-    "ahead_16m_stream": (16 << 20, True),
-}
 
 
 def weights(layers: int) -> list[list[mx.array]]:
@@ -59,21 +49,15 @@ def weights(layers: int) -> list[list[mx.array]]:
     return out
 
 
-def chain(ws: list[list[mx.array]], x: mx.array, ahead: bool) -> mx.array:
-    """The layers' products one after another (kernels/rows_matmul.py), each given the next
-    one's weights where `ahead`."""
+def chain(ws: list[list[mx.array]], x: mx.array) -> mx.array:
+    """The layers' products one after another (kernels/rows_matmul.py)."""
     from qwen38_backend.kernels.rows_matmul import rows_matmul
 
-    flat = [w for layer in ws for w in layer]
-
-    def nxt(i: int, j: int) -> mx.array | None:
-        return flat[(4 * i + j + 1) % len(flat)] if ahead else None
-
-    for i, (w_in, w_out, w_up, w_down) in enumerate(ws):
-        a = rows_matmul(x, w_in, ahead=nxt(i, 0))
-        h = rows_matmul(a[:, : w_out.shape[1]], w_out, residual=x, ahead=nxt(i, 1))
-        g = rows_matmul(h, w_up, swiglu=True, ahead=nxt(i, 2))
-        x = mx.fast.rms_norm(rows_matmul(g, w_down, residual=h, ahead=nxt(i, 3)), None, 1e-6)
+    for w_in, w_out, w_up, w_down in ws:
+        a = rows_matmul(x, w_in)
+        h = rows_matmul(a[:, : w_out.shape[1]], w_out, residual=x)
+        g = rows_matmul(h, w_up, swiglu=True)
+        x = mx.fast.rms_norm(rows_matmul(g, w_down, residual=h), None, 1e-6)
     return x
 
 
@@ -95,8 +79,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="evaluations per run (median)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    from qwen38_backend.kernels import rows_matmul as kernel
 
     ws = weights(args.layers)
     nbytes = sum(w.nbytes for layer in ws for w in layer)
@@ -130,42 +112,31 @@ def main() -> None:
         both = [spun(cycles, fn) for _ in range(args.repeats)]
         return 1e3 * (statistics.median(both) - statistics.median(alone)) / args.inner
 
-    def with_mode(name: str):
-        def fn(x: mx.array) -> mx.array:
-            kernel.AHEAD_BYTES, kernel.STREAM_WEIGHTS = MODES[name]
-            return chain(ws, x, ahead=MODES[name][0] > 0)
-
-        return fn
-
-    # the same bits in every mode (a prefetch is a hint; streamed loads read the same bytes)
-    first = {name: with_mode(name)(x0) for name in MODES}
-    mx.eval(list(first.values()))
-    same = {n: bool(mx.array_equal(first[n], first["plain"]).item()) for n in MODES}
-    finite = bool(mx.isfinite(first["plain"]).all().item())
-
-    modes = {name: [] for name in [*MODES, "mlx_gemv"]}
+    modes = {
+        "rows_matmul": lambda x: chain(ws, x),
+        "mlx_gemv": lambda x: gemv_chain(ws, x),
+    }
+    finite = {name: bool(mx.isfinite(fn(x0)).all().item()) for name, fn in modes.items()}
+    times = {name: [] for name in modes}
     for _ in range(args.runs):  # modes alternate within each run
-        for name in MODES:
-            modes[name].append(timed(with_mode(name)))
-        modes["mlx_gemv"].append(timed(lambda x: gemv_chain(ws, x)))
+        for name, fn in modes.items():
+            times[name].append(timed(fn))
     result = {
         "benchmark": "one-row product chain, 27B Gated DeltaNet layer shapes, bf16",
         "environment": environment(),
         "layers": args.layers,
         "inner": args.inner,
         "weights_bytes": nbytes,
-        "ahead_blocks": kernel.AHEAD_BLOCKS,
-        "same_bits_as_plain": same,
         "finite": finite,
         "modes": {},
     }
-    for name, values in modes.items():
+    for name, values in times.items():
         stats = median_of(len(values), iter(values).__next__)
         stats["tb_s"] = nbytes / (stats["median"] / 1e3) / 1e12
         result["modes"][name] = stats
-    base = result["modes"]["plain"]["median"]
+    base = result["modes"]["mlx_gemv"]["median"]
     for stats in result["modes"].values():
-        stats["vs_plain"] = stats["median"] / base
+        stats["vs_mlx_gemv"] = stats["median"] / base
     write_json(result, args.out)
 
 
