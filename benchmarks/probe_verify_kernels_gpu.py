@@ -12,7 +12,15 @@ decode step), the engine's default state at `--context` tokens; per
 row count in `--rows`, one forward of that many rows, rewound after. ncu runs kernels one at
 a time, so each kernel's time is its own (no overlap, no launch gaps): the sum is the
 device's work, not a step's wall time. `--parse` groups the kernels between each pair of
-markers by name: per row count, ms per kernel family and in all.
+markers by name: per row count, ms per kernel family and in all (pass the same `--rows`).
+
+`--kv-topk N` decodes from a paged Quest state (budget N tokens) instead; `--window` brackets
+the marked forwards with the driver's profiler start / stop, for ncu run with
+`--profile-from-start off`, so a deep context's prefill is not profiled:
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \
+        --csv --log-file q.csv python benchmarks/probe_verify_kernels_gpu.py --layers 64 \
+        --context 131072 --rows 1 --kv-topk 2048 --window
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ def run(args) -> None:
     else:
         model, config, _ = random_model("27b", args.layers, "bfloat16")
     vocab = config["text_config"]["vocab_size"]
-    state = model.new_state()
+    kv = {"kv_paged": "on", "kv_topk": args.kv_topk} if args.kv_topk else {}
+    state = model.new_state(**kv)
     mx.eval(model.prefill(prompt(args.context, vocab), state))
     ids = prompt(max(args.rows), vocab)
     marker = mx.fast.cuda_kernel(
@@ -74,10 +83,31 @@ def run(args) -> None:
 
     for rows in args.rows:  # warm: compiled pieces and kernels for each width
         forward(rows)
+    window = profiler_window() if args.window else None
+    if window:
+        window(True)
     for rows in args.rows:
         mark()
         forward(rows)
         mark()
+    if window:
+        window(False)
+
+
+def profiler_window():
+    """on(True) / off(False): the CUDA driver's profiler start / stop, so that ncu run with
+    `--profile-from-start off` profiles the marked forwards only, not the prefill before
+    them (at 131K, tens of thousands of kernels each replayed)."""
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+
+    def window(on: bool) -> None:
+        code = driver.cuProfilerStart() if on else driver.cuProfilerStop()
+        if code != 0:
+            raise RuntimeError(f"cuProfiler{'Start' if on else 'Stop'} returned {code}")
+
+    return window
 
 
 def family(name: str) -> str:
@@ -141,6 +171,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=[1, 2, 5])
+    ap.add_argument("--kv-topk", type=int, default=0, help="27b: paged Quest, this budget")
+    ap.add_argument(
+        "--window",
+        action="store_true",
+        help="profile only the marked forwards (run ncu with --profile-from-start off)",
+    )
     ap.add_argument("--parse", default=None, help="an ncu CSV log of a run of this script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
