@@ -89,6 +89,19 @@ WALK = """
             wr[j] = n0 + j < N ? wv[row(j) * KV + c] : W{};
     };
     int c = first;
+    // the first U chunks are on their way while the block copies (or norms) x's rows
+    const bool ahead = c + stride * (U - 1) < KV;
+    W first_wr[U][NW];
+    if (ahead) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) load(first_wr[u], c + stride * u);
+    }
+    __X_PROLOGUE__
+    if (ahead) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) accumulate(first_wr[u], c + stride * u);
+        c += stride * U;
+    }
     for (; c + stride * (U - 1) < KV; c += stride * U) {
         W wr[U][NW];
 #pragma unroll
@@ -121,6 +134,7 @@ STAGED_WALK = """
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) issue(i);
+    __X_PROLOGUE__  // (x's copy sits past the slots: the copies in flight do not touch it)
     for (int i = 0; i < steps; ++i) {
         qwen38_dattn::cp_async_wait<S - 2>();       // step i's copies have landed
         // refill the slot read in the step before (its values are in registers by now)
@@ -281,6 +295,14 @@ __device__ __forceinline__ void normed_rows(
 }
 }  // namespace qwen38_rows
 """
+# XS: the block copies x's rows to shared memory before its first product, after it issued
+# its first weight loads (they would otherwise wait for the copy, or the norm, to finish).
+X_PROLOGUE = """
+    if constexpr (XS) {
+        __X_COPY__
+        __syncthreads();
+    }
+"""
 # How the block copies x's rows to shared memory (XS): as they are, rounded to T, or normed.
 X_COPY = """
         for (int i = threadIdx.x * 4; i < R * x_shape[1]; i += __THREADS__ * 4) {
@@ -318,10 +340,6 @@ _PRODUCT = (
     // and lanes read their x there: fp32 rows read through L1 by every warp would cost
     // twice the bytes of the weights they multiply
     T* xt = reinterpret_cast<T*>(smem_dyn + XO);
-    if constexpr (XS) {
-        __X_COPY__
-        __syncthreads();
-    }
 
 """
     + ACCUMULATORS
@@ -355,9 +373,8 @@ def _kernel(staged: bool, shared_bytes: int, epilogue: str = "", eps: float | No
     """The product with the register walk, or with the staged walk, and that much shared
     memory (the staged walk's copies, then x's copy), storing its outputs as `epilogue`
     says (STORES); with `eps`, x's rows are normed first (NORM_ROWS, a `scale` input)."""
-    source = (_STAGED_SOURCE if staged else _SOURCE).replace(
-        "__X_COPY__", X_COPY if eps is None else X_COPY_NORMED
-    )
+    source = (_STAGED_SOURCE if staged else _SOURCE).replace("__X_PROLOGUE__", X_PROLOGUE)
+    source = source.replace("__X_COPY__", X_COPY if eps is None else X_COPY_NORMED)
     source = source.replace("__THREADS__", str(THREADS))
     parts = ["qwen38_rows_matmul", *(["staged"] if staged else []), epilogue]
     if eps is not None:
