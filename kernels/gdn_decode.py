@@ -13,8 +13,9 @@ normalised value, the weighted norm). `available()` probes the kernel once again
 any mismatch or error disables it (the exact op path then runs).
 
 One block per value head, 256 threads (8 warps); each warp updates rows of the head's
-[Dv, Dk] state with a lane holding Dk/32 columns, all its rows loaded before the first is
-updated (ncu on the H200: 16 us a layer with each row's loads waited for in turn).
+[Dv, Dk] state with a lane holding Dk/32 consecutive columns (one 16-byte load of a row at
+Dk 128), all its rows loaded before the first is updated (ncu on the H200: 16 us a layer
+with each row's loads waited for in turn).
 """
 
 from __future__ import annotations
@@ -100,11 +101,33 @@ _SOURCE = """
     const float k_scale = rsqrtf(tk + 1e-6f);
     const float beta = gates[0], decay = gates[1];
 
+    // a lane's columns: PER_LANE consecutive ones, so a state row comes as one 16-byte load
+    // per lane (DK 128), not PER_LANE scalar ones
     float qr[PER_LANE], kr[PER_LANE];
     for (int e = 0; e < PER_LANE; ++e) {{
-        qr[e] = q_s[lane + 32 * e] * q_scale;
-        kr[e] = k_s[lane + 32 * e] * k_scale;
+        qr[e] = q_s[lane * PER_LANE + e] * q_scale;
+        kr[e] = k_s[lane * PER_LANE + e] * k_scale;
     }}
+    auto load_cols = [](const float* p, float (&v)[PER_LANE]) {{
+        if constexpr (PER_LANE == 4) {{
+            const float4 u = *reinterpret_cast<const float4*>(p);
+            v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
+        }} else if constexpr (PER_LANE == 2) {{
+            const float2 u = *reinterpret_cast<const float2*>(p);
+            v[0] = u.x; v[1] = u.y;
+        }} else {{
+            for (int e = 0; e < PER_LANE; ++e) v[e] = p[e];
+        }}
+    }};
+    auto store_cols = [](float* p, const float (&v)[PER_LANE]) {{
+        if constexpr (PER_LANE == 4) {{
+            *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+        }} else if constexpr (PER_LANE == 2) {{
+            *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+        }} else {{
+            for (int e = 0; e < PER_LANE; ++e) p[e] = v[e];
+        }}
+    }};
     // delta rule: the warp's state rows (value dims warp, warp + WARPS, ...) all loaded first,
     // so their loads overlap (row by row, each waited for its own: the step's longest part);
     // the state after row t is S_out[t] (the row before reads S_out[t - 1], written by this
@@ -117,9 +140,7 @@ _SOURCE = """
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {{
         const int r = warp + i * WARPS;
-#pragma unroll
-        for (int e = 0; e < PER_LANE; ++e)
-            s[i][e] = r < DV ? rows_in[(size_t)r * DK + lane + 32 * e] : 0.0f;
+        if (r < DV) load_cols(rows_in + (size_t)r * DK + lane * PER_LANE, s[i]);
     }}
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {{
@@ -138,8 +159,8 @@ _SOURCE = """
         for (int e = 0; e < PER_LANE; ++e) {{
             s[i][e] += kr[e] * delta;
             o += s[i][e] * qr[e];
-            rows_out[(size_t)r * DK + lane + 32 * e] = s[i][e];
         }}
+        store_cols(rows_out + (size_t)r * DK + lane * PER_LANE, s[i]);
         for (int off = 16; off > 0; off /= 2) o += __shfl_xor_sync(0xffffffff, o, off);
         if (lane == 0) o_s[r] = static_cast<float>(T(o));
     }}

@@ -19,10 +19,13 @@ DEMO_HOME = Path(os.environ.get("QWEN38_TEST_HOME", Path.home() / ".cache" / "qw
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
     parser.addoption("--run-gpu", action="store_true", help="run tests that need a CUDA GPU")
+    parser.addoption(
+        "--run-nvcc", action="store_true", help="compile the CUDA kernels' sources with nvcc"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    opt_in = {"slow": "--run-slow", "gpu": "--run-gpu"}
+    opt_in = {"slow": "--run-slow", "gpu": "--run-gpu", "nvcc": "--run-nvcc"}
     for item in items:
         for marker, flag in opt_in.items():
             if marker in item.keywords and not config.getoption(flag):

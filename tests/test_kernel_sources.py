@@ -1,0 +1,230 @@
+"""Every CUDA kernel's source compiles with a local nvcc (sm_90), in the variants the engine
+launches, before any device run: each module's `cuda_kernel` is replaced by a recorder, and
+the recorded body goes into a stand-in of the signature MLX generates (its inputs typed;
+`<name>_shape`, `_strides` and `_ndim` where the body reads them; template constants at the
+top) with stand-ins of the MLX device ops the product epilogues use. Why: a kernel that fails
+to compile only shows on the H200, where its probe then falls back to the op path (session
+27: the ungated q/k kernel named an output it did not have). Opt in with --run-nvcc (needs
+nvcc on PATH)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+from qwen38_backend.kernels import (
+    decode_attention,
+    gdn_decode,
+    gdn_prefill,
+    jit,
+    qk_norm_rope,
+    quest_select,
+    rows_matmul,
+)
+
+pytestmark = pytest.mark.nvcc
+
+MODULES = (decode_attention, gdn_decode, gdn_prefill, qk_norm_rope, quest_select, rows_matmul)
+# every cached kernel factory: cleared before and after, so no recorder result outlives a test
+FACTORIES = (
+    decode_attention._partial_kernel,
+    decode_attention._partial_kernel_mma,
+    decode_attention._combine_kernel,
+    gdn_decode._kernel,
+    gdn_prefill._scan_kernel,
+    gdn_prefill._solve_kernel,
+    qk_norm_rope._kernel,
+    quest_select._keys_kernel,
+    rows_matmul._kernel,
+    rows_matmul._norm_kernel,
+)
+C_TYPES = {
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float16: "__half",
+    mx.float32: "float",
+    mx.int32: "int32_t",
+    mx.uint64: "uint64_t",
+}
+# what MLX's headers give the product epilogues (binary_ops.cuh, unary_ops.cuh), in shape only
+MLX_OPS = """
+namespace mlx::core::cu {
+struct Add { template <typename T> __device__ T operator()(T a, T b) { return a + b; } };
+struct Multiply { template <typename T> __device__ T operator()(T a, T b) { return a * b; } };
+struct Sigmoid {
+  template <typename T> __device__ T operator()(T x) {
+    return T(1.0f / (1.0f + expf(-static_cast<float>(x))));
+  }
+};
+}
+"""
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> dict:
+    """kernel name -> what the module handed cuda_kernel (body, header, names)."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("--run-nvcc needs nvcc on PATH")
+    seen: dict = {}
+
+    def record(*, source, header="", name, input_names, output_names, **_):
+        seen[name] = {
+            "body": jit.compact(source),
+            "header": jit.compact(header),
+            "inputs": input_names,
+            "outputs": output_names,
+        }
+        return name
+
+    for module in MODULES:
+        monkeypatch.setattr(module, "cuda_kernel", record)
+    for factory in FACTORIES:
+        factory.cache_clear()
+    yield seen
+    for factory in FACTORIES:
+        factory.cache_clear()
+
+
+def compiles(tmp_path, kernel: dict, types: dict, template: list) -> None:
+    """nvcc compiles `kernel` with these argument types (name -> C type) and constants."""
+    args = []
+    for name in kernel["inputs"]:
+        args.append(f"const {types[name]}* {name}")
+        if f"{name}_shape" in kernel["body"]:
+            args.append(f"const int* {name}_shape")
+        if f"{name}_strides" in kernel["body"]:
+            args.append(f"const int64_t* {name}_strides")
+        if f"{name}_ndim" in kernel["body"]:
+            args.append(f"int {name}_ndim")
+    args += [f"{types[name]}* {name}" for name in kernel["outputs"]]
+    constants = []
+    for name, value in template:
+        if isinstance(value, bool):
+            constants.append(f"constexpr bool {name} = {str(value).lower()};")
+        elif isinstance(value, int):
+            constants.append(f"constexpr int {name} = {value};")
+        else:
+            constants.append(f"using {name} = {C_TYPES[value]};")
+    header = "\n".join(
+        line for line in kernel["header"].splitlines() if not line.startswith('#include "mlx/')
+    )
+    text = "\n".join(
+        [
+            "#include <cuda_bf16.h>",
+            "#include <cuda_fp16.h>",
+            "#include <cstdint>",
+            MLX_OPS,
+            header,
+            "namespace mlx::core::cu {",
+            f"__global__ void kernel({', '.join(args)}) {{",
+            *constants,
+            kernel["body"],
+            "}",
+            "}",
+        ]
+    )
+    path = tmp_path / "kernel.cu"
+    path.write_text(text)
+    run = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(path), "-o", str(tmp_path / "k.o")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[:4000]
+
+
+BF16 = C_TYPES[mx.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+@pytest.mark.parametrize(
+    "spec", [(16, 48, 128, 128, 4, 1e-6, "silu"), (2, 4, 64, 32, 4, 1e-6, "sigmoid")]
+)
+def test_gdn_decode_compiles(recorded, tmp_path, dtype, spec):
+    gdn_decode._kernel(spec)
+    (kernel,) = recorded.values()
+    t = C_TYPES[dtype]
+    types = {n: t for n in kernel["inputs"] + kernel["outputs"]}
+    types.update(S="float", S_out="float")
+    compiles(tmp_path, kernel, types, [("T", dtype)])
+
+
+@pytest.mark.parametrize("epilogue", ["", "residual", "swiglu"])
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rows_matmul_compiles(recorded, tmp_path, epilogue, staged, norm):
+    rows_matmul._kernel(staged, 4096, epilogue, 1e-6 if norm else None)
+    (kernel,) = recorded.values()
+    rows = 3 if staged else 1
+    walk = [("S", 4)] if staged else [("U", 4)]
+    for x_dtype in (mx.bfloat16, mx.float32):
+        for in_shared in (False, True):
+            types = {"x": C_TYPES[x_dtype], "w": BF16, "scale": "float", "res": "float", "y": BF16}
+            template = [
+                ("T", mx.bfloat16),
+                ("X", x_dtype),
+                ("C", 8),
+                ("SWIGLU", epilogue == "swiglu"),
+            ]
+            template += [("O", mx.float32)] if epilogue == "residual" else []
+            template += [("R", rows), ("NW", 2), ("KS", 4), ("XS", in_shared), ("XO", 0), *walk]
+            compiles(tmp_path, kernel, types, template)
+
+
+def test_rows_norm_kernel_compiles(recorded, tmp_path):
+    rows_matmul._norm_kernel(1e-6)
+    (kernel,) = recorded.values()
+    types = {"x": "float", "scale": "float", "y": BF16}
+    compiles(tmp_path, kernel, types, [("T", mx.bfloat16), ("X", mx.float32)])
+
+
+@pytest.mark.parametrize("form", ["fma", "mma"])
+def test_decode_attention_compiles(recorded, tmp_path, form):
+    if form == "mma":
+        decode_attention._partial_kernel_mma(mx.bfloat16, 256, 6)
+    else:
+        decode_attention._partial_kernel(mx.bfloat16, 256, 6)
+    decode_attention._combine_kernel()
+    partial = recorded[f"qwen38_decode_attention_partial{'_mma' if form == 'mma' else ''}"]
+    types = {"q": BF16 if form == "mma" else "float", "k": BF16, "v": BF16, "scale": "float"}
+    types.update(splits="int32_t", pages="int32_t", n_keys="int32_t")
+    types.update(o_part="float", m_part="float", l_part="float")
+    for paged in (0, 16):
+        template = [("T", mx.bfloat16), ("D", 256), ("G", 6), ("P", paged)]
+        compiles(tmp_path, partial, types, template)
+    types = {"o_part": "float", "m_part": "float", "l_part": "float", "splits": "int32_t"}
+    types["out"] = BF16
+    combine = recorded["qwen38_decode_attention_combine"]
+    compiles(tmp_path, combine, types, [("O", mx.bfloat16), ("D", 256), ("G", 6)])
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_qk_norm_rope_compiles(recorded, tmp_path, gated):
+    head_dim = 256 if gated else 128
+    layout = qk_norm_rope.HeadLayout(
+        24, 4, head_dim, gated, 1e-6, 64 if gated else 128, 1e7, 1.0, not gated
+    )
+    qk_norm_rope._kernel(layout)
+    (kernel,) = recorded.values()
+    types = {"qkv": BF16, "q_scale": "float", "k_scale": "float", "offset": "int32_t"}
+    types.update(q=BF16, k=BF16, gate=BF16)
+    compiles(tmp_path, kernel, types, [("T", mx.bfloat16)])
+
+
+def test_quest_page_keys_compile(recorded, tmp_path):
+    quest_select._keys_kernel()
+    (kernel,) = recorded.values()
+    types = {"q": BF16, "kmin": BF16, "kmax": BF16, "counts": "int32_t", "keys": "uint64_t"}
+    for shared in (0, 1):
+        template = [("HKV", 4), ("D", 256), ("SINKS", 1), ("RECENT", 2), ("SHARED", shared)]
+        compiles(tmp_path, kernel, types, template)
+
+
+@pytest.mark.parametrize("kind", ["solve", "scan"])
+def test_gdn_prefill_compiles(recorded, tmp_path, kind):
+    factory = gdn_prefill._solve_kernel if kind == "solve" else gdn_prefill._scan_kernel
+    factory(64, 128, 128)
+    (kernel,) = recorded.values()
+    types = {n: "float" for n in kernel["inputs"] + kernel["outputs"]}
+    compiles(tmp_path, kernel, types, [])
