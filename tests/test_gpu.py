@@ -678,6 +678,49 @@ def _decode_with(tmp_path, monkeypatch, switch: str, module) -> tuple[dict, dict
     return tokens, logits, nodes
 
 
+# ----- a step's routed experts in two launches (kernels/expert_qmv.py) -------------------------
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_expert_kernels_match_the_op_path(dtype, monkeypatch):
+    """Flash-Next's expert shapes (hidden 2560, intermediate 640, 10 of 64 experts a token,
+    4-bit groups of 64): the probe passes; every row equals a one-row call bit for bit; the
+    routed sum is within bf16 rounding of gather_qmm's; and a SparseMoE step takes the
+    kernels once they are switched on, its output close to the op path's."""
+    from qwen38_backend.kernels import expert_qmv as kernel
+
+    from qwen38_backend.models.moe import SparseMoE
+
+    monkeypatch.setenv("QWEN38_EXPERT_KERNEL", "auto")  # off by default until measured
+    kernel.available.cache_clear()
+    assert kernel.available(2560, 640, 64, 10, 64, dtype)
+    moe = SparseMoE(2560, 64, 10, 640, 640)
+    keys = mx.random.split(mx.random.key(9), 4)
+    moe.experts.gate_up_proj = 0.02 * mx.random.normal((64, 1280, 2560), key=keys[0])
+    moe.experts.down_proj = 0.04 * mx.random.normal((64, 2560, 640), key=keys[1])
+    moe.gate.weight = 0.02 * mx.random.normal((64, 2560), key=keys[2])
+    moe.experts = moe.experts.to_quantized(group_size=64, bits=4)
+    moe.set_dtype(dtype)
+    x = mx.random.normal((5, 2560), key=keys[3]).astype(dtype)
+    inds, weights = moe.route(x)
+    e = moe.experts
+    got = kernel.routed_sum(x, inds, weights, e.gate_up_proj, e.down_proj, 64)
+    want = kernel.reference(x, inds, weights, e.gate_up_proj, e.down_proj, 64)
+    for t in range(5):
+        one = kernel.routed_sum(
+            x[t : t + 1], inds[t : t + 1], weights[t : t + 1], e.gate_up_proj, e.down_proj, 64
+        )
+        assert mx.array_equal(one, got[t : t + 1]).item(), t
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    assert (mx.linalg.norm(g - w) / mx.linalg.norm(w)).item() < 2.0**-7
+    op_path = moe(x)
+    moe.prepare_decode()
+    assert moe._fused(x)
+    fused = moe(x).astype(mx.float32)
+    want_step = op_path.astype(mx.float32)
+    rel = mx.linalg.norm(fused - want_step) / mx.linalg.norm(want_step)
+    assert rel.item() < 2.0**-7
+    kernel.available.cache_clear()
+
+
 # ----- q/k norms + RoPE in one launch (kernels/qk_norm_rope.py) ------------------------------
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 from qwen38_backend.kernels import (
     decode_attention,
+    expert_qmv,
     gdn_decode,
     gdn_prefill,
     jit,
@@ -26,12 +27,22 @@ from qwen38_backend.kernels import (
 
 pytestmark = pytest.mark.nvcc
 
-MODULES = (decode_attention, gdn_decode, gdn_prefill, qk_norm_rope, quest_select, rows_matmul)
+MODULES = (
+    decode_attention,
+    expert_qmv,
+    gdn_decode,
+    gdn_prefill,
+    qk_norm_rope,
+    quest_select,
+    rows_matmul,
+)
 # every cached kernel factory: cleared before and after, so no recorder result outlives a test
 FACTORIES = (
     decode_attention._partial_kernel,
     decode_attention._partial_kernel_mma,
     decode_attention._combine_kernel,
+    expert_qmv._up_kernel,
+    expert_qmv._down_kernel,
     gdn_decode._kernel,
     gdn_prefill._scan_kernel,
     gdn_prefill._solve_kernel,
@@ -46,6 +57,7 @@ C_TYPES = {
     mx.float32: "float",
     mx.int32: "int32_t",
     mx.uint64: "uint64_t",
+    mx.uint32: "uint32_t",
 }
 # what MLX's headers give the product epilogues (binary_ops.cuh, unary_ops.cuh), in shape only
 MLX_OPS = """
@@ -228,3 +240,16 @@ def test_gdn_prefill_compiles(recorded, tmp_path, kind):
     (kernel,) = recorded.values()
     types = {n: "float" for n in kernel["inputs"] + kernel["outputs"]}
     compiles(tmp_path, kernel, types, [])
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_expert_kernels_compile(recorded, tmp_path, dtype):
+    expert_qmv._up_kernel()
+    expert_qmv._down_kernel()
+    t = C_TYPES[dtype]
+    types = {"x": t, "h": t, "out": t, "scales": t, "biases": t, "weights": "float"}
+    types.update(inds="uint32_t", w="uint32_t")
+    # Flash-Next's experts: hidden 2560, intermediate 640, groups of 64, 10 a token
+    template = [("T", dtype), ("H", 2560), ("I", 640), ("G", 64), ("KT", 10)]
+    for name in ("qwen38_experts_up", "qwen38_experts_down"):
+        compiles(tmp_path, recorded[name], types, template)

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..kernel_import import kernel_module
 from ..rows import STEP_MAX_ROWS, per_row
 from .layers import SwiGLU
 from .parallel import all_sum, part_of, ranks, require_divisible
@@ -197,11 +198,40 @@ class SparseMoE(nn.Module):
         self.shared_expert.shard(group, reduce=False)
         self.group = group
 
+    def prepare_decode(self) -> None:
+        """Decide (outside any compiled trace: the probe runs ops) whether a step's routed
+        experts run as kernels/expert_qmv.py's two launches: 4-bit affine experts, one
+        device, and the kernels passed their probe for this shape and dtype."""
+        experts = self.experts
+        scales = getattr(experts, "gate_up_proj", None)
+        if not isinstance(experts, QuantizedExperts) or getattr(self, "group", None):
+            return
+        dtype = scales["scales"].dtype
+        if getattr(self, "_checked", "") == str(dtype):
+            return  # decided once per dtype: this runs every step
+        self._checked, self._kernel_for = str(dtype), ""
+        kernel = kernel_module("expert_qmv")
+        shape = (experts.hidden, experts.intermediate, experts.num_experts, self.top_k)
+        if kernel is not None and kernel.available(*shape, experts.group_size, dtype):
+            self._kernel_for = str(dtype)
+
+    def _fused(self, x: mx.array) -> bool:
+        """Whether this call's routed experts run as the expert kernels (prepare_decode)."""
+        if getattr(self, "_kernel_for", "") != str(x.dtype) or x.shape[0] > STEP_MAX_ROWS:
+            return False
+        return kernel_module("expert_qmv").fits(x, self.experts, self.top_k)
+
     def __call__(self, x: mx.array) -> mx.array:
         inds, weights = self.route(x)
         group = getattr(self, "group", None)
         if group is not None:
             return all_sum(self._local_experts(x, inds, weights) + self._shared(x), group)
+        if self._fused(x):
+            e = self.experts
+            routed = kernel_module("expert_qmv").routed_sum(
+                x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size
+            )
+            return routed + self._shared(x)
         routed = self.experts(x, inds)  # [T, k, H]
         routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
         return routed + self._shared(x)

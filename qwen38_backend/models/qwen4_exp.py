@@ -174,6 +174,8 @@ class Qwen4ExpBlock(nn.Module):
             st = st.mixer
         # a step: the mixer, the router, experts, shared expert and both stream mixes
         # replayed as compiled graphs instead of ~150 ops encoded from Python per layer
+        if decode:
+            self.mlp.prepare_decode()  # outside the trace: the expert kernels' probe runs ops
         if self.is_linear and decode:
             return self.decode_linear(R, st)
         if decode:

@@ -1,0 +1,275 @@
+"""A decode step's routed experts on CUDA in two launches, reading 4-bit (MLX affine) expert
+weights in place: silu(gate) * up of every (row, expert) pair, then down and the routing
+weights' sum over the pairs of each row.
+
+Why: MLX 0.32.4's `gather_qmm` on CUDA gathered the chosen experts' packed weights, scales
+and biases into fresh buffers and ran a batched qmm on the copies (ncu on the H200,
+Flash-Next dims: ~20 gather launches and 0.27 ms per 4 layers, before the qmm's 0.2 ms:
+benchmarks/results/h200/flash_decode_kernels_4l.json), and the routed sum took several more
+launches. Here each warp streams its rows of the chosen experts straight from the stacks.
+
+Every (row, expert) pair is computed alone, by the same instructions whatever the row count,
+so a speculative verify's rows equal plain steps. The sums run in another order than MLX's
+qmv (fp32 either way); `available()` probes the pair against the op path (gather_qmm, silu,
+the weighted sum) once per shape and dtype. Off by default (QWEN38_EXPERT_KERNEL=auto turns
+it on) until an H200 run has measured it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .jit import cuda_kernel
+from .switch import switched
+
+THREADS = 256
+WARPS = THREADS // 32
+
+# A lane's share of a packed row: 32-bit words (8 four-bit values each) at lane, lane + 32,
+# ...; x's matching values come from shared memory as two float4. `dot` adds, per word, the
+# scale times sum(x q) and the bias times sum(x) of its group (G values, G % 8 == 0).
+_DOT = """
+namespace qwen38_experts {
+template <typename T, int K, int G>
+__device__ __forceinline__ float dot(
+    const uint32_t* row, const T* scales, const T* biases, const float* xs, int lane) {
+  constexpr int WORDS = K / 8;
+  float acc = 0.0f;
+#pragma unroll
+  for (int wd = lane; wd < WORDS; wd += 32) {
+    const uint32_t q = row[wd];
+    const float4 x0 = reinterpret_cast<const float4*>(xs)[2 * wd];
+    const float4 x1 = reinterpret_cast<const float4*>(xs)[2 * wd + 1];
+    const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    float qx = 0.0f, sx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      qx = fmaf(xv[i], static_cast<float>((q >> (4 * i)) & 0xFu), qx);
+      sx += xv[i];
+    }
+    const int g = wd * 8 / G;
+    acc = fmaf(static_cast<float>(scales[g]), qx, acc);
+    acc = fmaf(static_cast<float>(biases[g]), sx, acc);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+}  // namespace qwen38_experts
+"""
+
+# Template constants: T (x's and the scales' dtype), H (hidden), I (intermediate), G (group
+# size), KT (experts per row). Block (blockIdx.x, pair p = blockIdx.y): warp w takes output
+# n = blockIdx.x * WARPS + w of pair p (row p / KT's expert inds[p]): its gate row n and up
+# row I + n, stored as silu(gate) * up rounded as MLX's ops round (each in T).
+_UP = """
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int p = blockIdx.y, t = p / KT;
+    const int n = blockIdx.x * __WARPS__ + warp;
+    __shared__ __align__(16) float xs[H];
+    for (int i = threadIdx.x; i < H; i += __THREADS__) xs[i] = static_cast<float>(x[t * H + i]);
+    __syncthreads();
+    if (n >= I) return;
+    const long long e = inds[p];
+    constexpr int WORDS = H / 8, GROUPS = H / G;
+    const long long gate_row = e * 2 * I + n, up_row = gate_row + I;
+    const float gate_sum = qwen38_experts::dot<T, H, G>(
+        w + gate_row * WORDS, scales + gate_row * GROUPS, biases + gate_row * GROUPS, xs, lane);
+    const float up_sum = qwen38_experts::dot<T, H, G>(
+        w + up_row * WORDS, scales + up_row * GROUPS, biases + up_row * GROUPS, xs, lane);
+    if (lane == 0) {
+        const T gate = T(gate_sum), up = T(up_sum);
+        const T sig = T(1.0f / (1.0f + expf(-static_cast<float>(gate))));
+        const T silu = T(static_cast<float>(gate) * static_cast<float>(sig));
+        h[(long long)p * I + n] = T(static_cast<float>(silu) * static_cast<float>(up));
+    }
+"""
+
+# Block (blockIdx.x, row t = blockIdx.y): warp w takes output n = blockIdx.x * WARPS + w: each
+# of the row's KT experts' down row n (product rounded to T, times its routing weight rounded
+# to T, as `routed * weights` in T), summed over the experts in order in fp32, stored as T.
+_DOWN = """
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = blockIdx.y;
+    const int n = blockIdx.x * __WARPS__ + warp;
+    __shared__ __align__(16) float hs[KT * I];
+    for (int i = threadIdx.x; i < KT * I; i += __THREADS__)
+        hs[i] = static_cast<float>(h[(long long)t * KT * I + i]);
+    __syncthreads();
+    if (n >= H) return;
+    constexpr int WORDS = I / 8, GROUPS = I / G;
+    float total = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KT; ++j) {
+        const long long row = (long long)inds[t * KT + j] * H + n;
+        const float sum = qwen38_experts::dot<T, I, G>(
+            w + row * WORDS, scales + row * GROUPS, biases + row * GROUPS, hs + j * I, lane);
+        const T y = T(sum), wt = T(weights[t * KT + j]);
+        total += static_cast<float>(T(static_cast<float>(y) * static_cast<float>(wt)));
+    }
+    if (lane == 0) out[(long long)t * H + n] = T(total);
+"""
+
+
+def _source(body: str) -> str:
+    return body.replace("__THREADS__", str(THREADS)).replace("__WARPS__", str(WARPS))
+
+
+@functools.cache
+def _up_kernel():
+    return cuda_kernel(
+        name="qwen38_experts_up",
+        input_names=["x", "inds", "w", "scales", "biases"],
+        output_names=["h"],
+        source=_source(_UP),
+        header=_DOT,
+    )
+
+
+@functools.cache
+def _down_kernel():
+    return cuda_kernel(
+        name="qwen38_experts_down",
+        input_names=["h", "inds", "weights", "w", "scales", "biases"],
+        output_names=["out"],
+        source=_source(_DOWN),
+        header=_DOT,
+    )
+
+
+def routed_sum(
+    x: mx.array,
+    inds: mx.array,
+    weights: mx.array,
+    gate_up: dict,
+    down: dict,
+    group_size: int,
+) -> mx.array:
+    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = inds[t, j]: x [T, H]
+    (half precision), inds [T, k] (uint32), weights [T, k] (fp32), gate_up / down the
+    experts' 4-bit affine stacks ({"weight", "scales", "biases"}: [E, 2I, H / 8] and
+    [E, H, I / 8] words). Returns [T, H] in x's dtype."""
+    T_, hidden = x.shape
+    k = inds.shape[1]
+    inter = gate_up["weight"].shape[1] // 2
+    dtype = x.dtype
+    template = [("T", dtype), ("H", hidden), ("I", inter), ("G", group_size), ("KT", k)]
+    (h,) = _up_kernel()(
+        inputs=[x, inds, gate_up["weight"], gate_up["scales"], gate_up["biases"]],
+        template=template,
+        grid=(-(-inter // WARPS) * THREADS, T_ * k, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(T_ * k, inter)],
+        output_dtypes=[dtype],
+    )
+    (out,) = _down_kernel()(
+        inputs=[h, inds, weights, down["weight"], down["scales"], down["biases"]],
+        template=template,
+        grid=(-(-hidden // WARPS) * THREADS, T_, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(T_, hidden)],
+        output_dtypes=[dtype],
+    )
+    return out
+
+
+def fits(x: mx.array, experts, k: int) -> bool:
+    """Whether these operands suit the kernels (shapes, dtypes, 4-bit affine; not the probe):
+    x's and the scales' half precision, every row's words a whole number of lanes' float4
+    pairs of x, groups of whole words, the row's k activations in shared memory."""
+    if getattr(experts, "bits", None) != 4 or getattr(experts, "mode", "affine") != "affine":
+        return False
+    gu, dn = experts.gate_up_proj, experts.down_proj
+    hidden, inter, g = experts.hidden, experts.intermediate, experts.group_size
+    return (
+        x.ndim == 2
+        and x.shape[1] == hidden
+        and x.dtype in (mx.float16, mx.bfloat16)
+        and gu["scales"].dtype == x.dtype
+        and dn["scales"].dtype == x.dtype
+        and g % 8 == 0
+        and hidden % g == 0
+        and inter % g == 0
+        and max(k * inter, hidden) * 4 <= 48 * 1024
+    )
+
+
+def supported() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+@functools.cache
+def available(hidden: int, inter: int, n_experts: int, k: int, group: int, dtype) -> bool:
+    """True when the kernels run here, each row equals a one-row call bit for bit, and the
+    result is close to the op path (gather_qmm, silu(gate) * up, the weighted sum) on random
+    experts of this shape (probed once per shape); else False, warning why.
+    QWEN38_EXPERT_KERNEL: off (the default, until measured) | auto | force (skip the probe)."""
+    decided = switched("QWEN38_EXPERT_KERNEL", supported, "off")
+    if decided is not None:
+        return decided
+    keys = mx.random.split(mx.random.key(23), 5)
+    rows = 3
+    x = mx.random.normal((rows, hidden), key=keys[0]).astype(dtype)
+    stacks = []
+    for shape, key in (
+        ((n_experts, 2 * inter, hidden), keys[1]),
+        ((n_experts, hidden, inter), keys[2]),
+    ):
+        w = (mx.random.normal(shape, key=key) * shape[-1] ** -0.5).astype(dtype)
+        q, s, b = mx.quantize(w, group, 4)
+        stacks.append({"weight": q, "scales": s, "biases": b})
+    inds = mx.random.randint(0, n_experts, (rows, k), key=keys[3]).astype(mx.uint32)
+    weights = mx.softmax(mx.random.normal((rows, k), key=keys[4]), axis=-1)
+    try:
+        together = routed_sum(x, inds, weights, *stacks, group)
+        alone = mx.concatenate(
+            [
+                routed_sum(x[i : i + 1], inds[i : i + 1], weights[i : i + 1], *stacks, group)
+                for i in range(rows)
+            ]
+        )
+        want = reference(x, inds, weights, *stacks, group)
+        mx.eval(together, alone, want)
+    except Exception as e:  # noqa: BLE001 - any failure means: the op path runs
+        warnings.warn(f"expert kernels unavailable ({e})", stacklevel=2)
+        return False
+    same = mx.array_equal(together, alone).item()
+    err = (
+        mx.linalg.norm((together - want).astype(mx.float32))
+        / mx.linalg.norm(want.astype(mx.float32))
+    ).item()
+    if not same or err > 2.0**-7:
+        warnings.warn(
+            f"expert kernels disagree (rows equal to one-row calls: {same}, relative error "
+            f"{err:.2e} vs the op path)",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def reference(
+    x: mx.array, inds: mx.array, weights: mx.array, gate_up: dict, down: dict, group: int
+) -> mx.array:
+    """What routed_sum replaces, in MLX ops: moe.QuantizedExperts's one product per (row,
+    expert) pair (gather_qmm), silu(gate) * up, then SparseMoE's weighted sum."""
+    T_, k = inds.shape
+    inter = gate_up["weight"].shape[1] // 2
+
+    def qmm(a: mx.array, p: dict) -> mx.array:
+        batch = a.shape[:-2]  # each row its own batch entry, as moe._rows makes
+        rows = mx.arange(math.prod(batch), dtype=mx.uint32).reshape(batch)
+        return mx.gather_qmm(
+            a, p["weight"], p["scales"], p["biases"], lhs_indices=rows, rhs_indices=inds,
+            transpose=True, group_size=group, bits=4,
+        )  # fmt: skip
+
+    gu = qmm(x[:, None, None, :], gate_up)
+    h = nn.silu(gu[..., :inter]) * gu[..., inter:]
+    routed = qmm(h, down).reshape(T_, k, -1)
+    return (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
