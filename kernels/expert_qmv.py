@@ -18,11 +18,11 @@ it on) until an H200 run has measured it.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import mlx.core as mx
-import mlx.nn as nn
+
+from qwen38_backend.models.moe import Experts, QuantizedExperts, weighted_experts
 
 from .jit import cuda_kernel
 from .switch import switched
@@ -215,14 +215,15 @@ def available(hidden: int, inter: int, n_experts: int, k: int, group: int, dtype
     keys = mx.random.split(mx.random.key(23), 5)
     rows = 3
     x = mx.random.normal((rows, hidden), key=keys[0]).astype(dtype)
-    stacks = []
-    for shape, key in (
-        ((n_experts, 2 * inter, hidden), keys[1]),
-        ((n_experts, hidden, inter), keys[2]),
-    ):
-        w = (mx.random.normal(shape, key=key) * shape[-1] ** -0.5).astype(dtype)
-        q, s, b = mx.quantize(w, group, 4)
-        stacks.append({"weight": q, "scales": s, "biases": b})
+    experts = Experts(n_experts, hidden, inter)
+    shapes = {
+        "gate_up_proj": (n_experts, 2 * inter, hidden),
+        "down_proj": (n_experts, hidden, inter),
+    }
+    for (name, shape), key in zip(shapes.items(), keys[1:3], strict=True):
+        setattr(experts, name, (mx.random.normal(shape, key=key) * shape[-1] ** -0.5).astype(dtype))
+    experts = QuantizedExperts(experts, group, 4)
+    stacks = (experts.gate_up_proj, experts.down_proj)
     inds = mx.random.randint(0, n_experts, (rows, k), key=keys[3]).astype(mx.uint32)
     weights = mx.softmax(mx.random.normal((rows, k), key=keys[4]), axis=-1)
     try:
@@ -233,7 +234,7 @@ def available(hidden: int, inter: int, n_experts: int, k: int, group: int, dtype
                 for i in range(rows)
             ]
         )
-        want = reference(x, inds, weights, *stacks, group)
+        want = reference(x, inds, weights, experts)
         mx.eval(together, alone, want)
     except Exception as e:  # noqa: BLE001 - any failure means: the op path runs
         warnings.warn(f"expert kernels unavailable ({e})", stacklevel=2)
@@ -253,23 +254,7 @@ def available(hidden: int, inter: int, n_experts: int, k: int, group: int, dtype
     return True
 
 
-def reference(
-    x: mx.array, inds: mx.array, weights: mx.array, gate_up: dict, down: dict, group: int
-) -> mx.array:
-    """What routed_sum replaces, in MLX ops: moe.QuantizedExperts's one product per (row,
-    expert) pair (gather_qmm), silu(gate) * up, then SparseMoE's weighted sum."""
-    T_, k = inds.shape
-    inter = gate_up["weight"].shape[1] // 2
-
-    def qmm(a: mx.array, p: dict) -> mx.array:
-        batch = a.shape[:-2]  # each row its own batch entry, as moe._rows makes
-        rows = mx.arange(math.prod(batch), dtype=mx.uint32).reshape(batch)
-        return mx.gather_qmm(
-            a, p["weight"], p["scales"], p["biases"], lhs_indices=rows, rhs_indices=inds,
-            transpose=True, group_size=group, bits=4,
-        )  # fmt: skip
-
-    gu = qmm(x[:, None, None, :], gate_up)
-    h = nn.silu(gu[..., :inter]) * gu[..., inter:]
-    routed = qmm(h, down).reshape(T_, k, -1)
-    return (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+def reference(x: mx.array, inds: mx.array, weights: mx.array, experts) -> mx.array:
+    """What routed_sum replaces: the MoE layer's own op path (moe.weighted_experts: one
+    gather_qmm product per (row, expert) pair, silu(gate) * up, the weighted sum)."""
+    return weighted_experts(experts, x, inds, weights)

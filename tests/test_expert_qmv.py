@@ -1,10 +1,11 @@
-"""The expert kernels' reference (kernels/expert_qmv.py) on the CPU: the GPU tests and the
-kernels' probe compare against it, so it must be the MoE layer's own op path; and the layer
-keeps that path where the kernels are off (their default) or cannot run."""
+"""The expert kernels (kernels/expert_qmv.py) on the CPU: the layout their CUDA code assumes
+(MLX's 4-bit packing, groups, gate rows before up rows) against the MoE layer's op path, and
+the layer keeping that path where the kernels are off (their default) or cannot run."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from qwen38_backend.kernels import expert_qmv as kernel
 
@@ -22,17 +23,46 @@ def _moe(quantized: bool = True) -> SparseMoE:
     return moe
 
 
+def _kernel_model(x, inds, weights, experts) -> np.ndarray:
+    """The kernels' arithmetic in numpy fp32, as their lanes do it: word w of a packed row
+    holds elements 8w .. 8w + 7 (element 8w + i in bits 4i .. 4i + 3), each group's scale
+    times sum(x q) plus its bias times sum(x); gate rows first, then up rows; silu(gate) * up;
+    down; the routing-weighted sum."""
+
+    def products(stack: dict, rows: np.ndarray, e: int) -> np.ndarray:
+        words = np.array(stack["weight"][e]).astype(np.uint64)  # [N, K / 8]
+        q = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint64))) & 0xF
+        q = q.reshape(words.shape[0], -1).astype(np.float32)  # [N, K]
+        groups = np.array(stack["scales"][e]).shape[1]
+        scale = np.repeat(np.array(stack["scales"][e]), q.shape[1] // groups, axis=1)
+        bias = np.repeat(np.array(stack["biases"][e]), q.shape[1] // groups, axis=1)
+        return (scale * q + bias) @ rows
+
+    out = []
+    inter = experts.intermediate
+    for t in range(x.shape[0]):
+        total = 0.0
+        for j in range(inds.shape[1]):
+            e = int(inds[t, j])
+            gu = products(experts.gate_up_proj, np.array(x[t]), e)
+            gate, up = gu[:inter], gu[inter:]
+            h = gate / (1 + np.exp(-gate)) * up
+            total = total + float(weights[t, j]) * products(experts.down_proj, h, e)
+        out.append(total)
+    return np.stack(out)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
-def test_reference_is_the_layers_op_path(rows):
-    """reference() computes what SparseMoE's routed experts compute, bit for bit."""
+def test_the_kernels_layout_is_the_op_paths(rows):
+    """A numpy model of the kernels' word-by-word arithmetic gives the layer's op path
+    (reference, fp32) to fp32 rounding: the packing, group and gate / up layout the CUDA
+    kernels assume are MLX's."""
     moe = _moe()
     x = mx.random.normal((rows, 256), key=mx.random.key(rows))
     inds, weights = moe.route(x)
-    routed = moe.experts(x, inds)
-    want = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
-    e = moe.experts
-    got = kernel.reference(x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size)
-    assert mx.array_equal(got, want).item()
+    want = np.array(kernel.reference(x, inds, weights, moe.experts))
+    got = _kernel_model(x, np.array(inds), np.array(weights), moe.experts)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
 def test_the_layer_keeps_its_op_path_where_the_kernels_are_off(monkeypatch):

@@ -118,6 +118,14 @@ class QuantizedExperts(nn.Module):
         return self._qmm(h, "down_proj", inds, False).reshape(T, k, -1)
 
 
+def weighted_experts(
+    experts: nn.Module, x: mx.array, inds: mx.array, weights: mx.array
+) -> mx.array:
+    """sum_j weights[t, j] * expert_{inds[t, j]}(x_t): the routed half of SparseMoE, [T, H]."""
+    routed = experts(x, inds)  # [T, k, H]
+    return (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+
+
 def _sorts(T: int, k: int) -> bool:
     """Whether T tokens' k experts each run grouped by expert (a prefill chunk) rather than
     one product per (token, expert) pair: a step's few rows never are, so each of a verify's
@@ -232,9 +240,7 @@ class SparseMoE(nn.Module):
                 x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size
             )
             return routed + self._shared(x)
-        routed = self.experts(x, inds)  # [T, k, H]
-        routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
-        return routed + self._shared(x)
+        return weighted_experts(self.experts, x, inds, weights) + self._shared(x)
 
     def _shared(self, x: mx.array) -> mx.array:
         return mx.sigmoid(per_row(self.shared_expert_gate, x)) * self.shared_expert(x)
