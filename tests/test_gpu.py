@@ -721,6 +721,63 @@ def test_expert_kernels_match_the_op_path(dtype, monkeypatch):
     kernel.available.cache_clear()
 
 
+# ----- a step's expert routing in one launch (kernels/moe_route.py) ---------------------------
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_route_kernel_matches_the_op_path(dtype, normalize, monkeypatch):
+    """Flash-Next's router (10 of 512 experts): the probe passes; for 1..16 rows the
+    experts are the op path's with weights within its ulps, every row equal to a one-row
+    launch; ties go to the lower expert (all logits equal: experts 0..9, weights exactly
+    1/512 or 1/10; a tie at the top: the lower of the two first)."""
+    from qwen38_backend.kernels import moe_route as kernel
+
+    from qwen38_backend.models.moe import route
+
+    monkeypatch.setenv("QWEN38_ROUTE_KERNEL", "auto")  # off by default until measured
+    kernel.available.cache_clear()
+    assert kernel.available(512, 10, normalize, dtype)
+    for rows in (1, 5, 16):
+        logits = (2 * mx.random.normal((rows, 512), key=mx.random.key(rows))).astype(dtype)
+        got = kernel.route(logits, 10, normalize)
+        assert kernel.same_routes(got, route(logits, 10, normalize))
+        for t in range(rows):
+            one = kernel.route(logits[t : t + 1], 10, normalize)
+            assert all(mx.array_equal(one[j], got[j][t : t + 1]).item() for j in range(2)), t
+    inds, weights = kernel.route(mx.zeros((2, 512), dtype), 10, normalize)
+    assert inds.tolist() == [list(range(10))] * 2
+    assert (weights == (0.1 if normalize else 2.0**-9)).all().item()
+    logits = mx.zeros((1, 512), dtype).at[0, 7].add(3.0).at[0, 3].add(3.0)
+    inds, _ = kernel.route(logits, 10, normalize)
+    assert inds[0, :3].tolist() == [3, 7, 0]
+    kernel.available.cache_clear()
+
+
+def test_flash_next_steps_with_the_moe_kernels_on_gpu(tmp_path, monkeypatch):
+    """A fresh tiny Flash-Next with the routing kernel switched on (its traces made with
+    it): the layers choose it, a verify's rows equal its plain steps bit for bit, and the
+    greedy tokens of a short run are those of the op path's model."""
+    from qwen38_backend.kernels import moe_route as kernel
+
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="bfloat16")
+    prompt = [(7 * i + 3) % 200 + 2 for i in range(19)]
+
+    def tokens(model) -> list[int]:
+        return list(model.generate_tokens(prompt, max_tokens=12, stop_token_ids=[]))
+
+    kernel.available.cache_clear()
+    plain = tokens(qwen38_backend.load(str(path), dtype="bfloat16"))
+    monkeypatch.setenv("QWEN38_ROUTE_KERNEL", "auto")
+    kernel.available.cache_clear()
+    model = qwen38_backend.load(str(path), dtype="bfloat16")
+    assert tokens(model) == plain
+    assert all(layer.mlp._route_for for layer in model.net.model.layers)
+    assert_verify_rows_equal_steps(model, 37, STORES["contiguous"])
+    kernel.available.cache_clear()
+
+
 # ----- q/k norms + RoPE in one launch (kernels/qk_norm_rope.py) ------------------------------
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(

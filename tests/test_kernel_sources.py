@@ -20,6 +20,7 @@ from qwen38_backend.kernels import (
     gdn_decode,
     gdn_prefill,
     jit,
+    moe_route,
     qk_norm_rope,
     quest_select,
     rows_matmul,
@@ -32,6 +33,7 @@ MODULES = (
     expert_qmv,
     gdn_decode,
     gdn_prefill,
+    moe_route,
     qk_norm_rope,
     quest_select,
     rows_matmul,
@@ -46,6 +48,7 @@ FACTORIES = (
     gdn_decode._kernel,
     gdn_prefill._scan_kernel,
     gdn_prefill._solve_kernel,
+    moe_route._kernel,
     qk_norm_rope._kernel,
     quest_select._keys_kernel,
     rows_matmul._kernel,
@@ -253,3 +256,15 @@ def test_expert_kernels_compile(recorded, tmp_path, dtype):
     template = [("T", dtype), ("H", 2560), ("I", 640), ("G", 64), ("KT", 10)]
     for name in ("qwen38_experts_up", "qwen38_experts_down"):
         compiles(tmp_path, recorded[name], types, template)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_route_compiles(recorded, tmp_path, dtype, normalize):
+    moe_route._kernel()
+    (kernel,) = recorded.values()
+    types = {"logits": C_TYPES[dtype], "inds": "uint32_t", "weights": "float"}
+    # Flash-Next's router: 512 experts, 10 a token; and a width that is not whole lanes
+    for experts, k in ((512, 10), (40, 3)):
+        template = [("T", dtype), ("E", experts), ("KT", k), ("NORM", normalize)]
+        compiles(tmp_path, kernel, types, template)

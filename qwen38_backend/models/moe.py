@@ -160,12 +160,25 @@ def _grouped(x: mx.array, inds: mx.array, num_experts: int, mm) -> mx.array:
     return out[mx.argsort(order)].reshape(T, k, -1)
 
 
+def _dtype(linear: nn.Module) -> mx.Dtype:
+    """The dtype a linear's products come out in for inputs of the model's dtype."""
+    return linear.scales.dtype if isinstance(linear, nn.QuantizedLinear) else linear.weight.dtype
+
+
+def _outputs(linear: nn.Module) -> int:
+    return (linear.scales if isinstance(linear, nn.QuantizedLinear) else linear.weight).shape[0]
+
+
 def _swiglu(gu: mx.array, intermediate: int) -> mx.array:
     return nn.silu(gu[..., :intermediate]) * gu[..., intermediate:]
 
 
 class SparseMoE(nn.Module):
     """sum_k w_k * expert_k(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+
+    _checked = ""  # the dtype prepare_decode decided for
+    _route_for = ""  # the dtype whose steps route with kernels/moe_route.py ("": none)
+    _kernel_for = ""  # the dtype whose steps run kernels/expert_qmv.py ("": none)
 
     def __init__(
         self,
@@ -185,7 +198,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         # per_row: a verify row's products are a plain step's on the CPU (rows.py)
-        return route(per_row(self.gate, x), self.top_k, self.norm_topk_prob)
+        logits = per_row(self.gate, x)
+        if self._route_for == str(logits.dtype) and x.shape[0] <= STEP_MAX_ROWS:
+            kernel = kernel_module("moe_route")
+            if kernel.fits(logits, self.top_k):
+                return kernel.route(logits, self.top_k, self.norm_topk_prob)
+        return route(logits, self.top_k, self.norm_topk_prob)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Expert parallel: this rank keeps experts [rank * E/n, (rank + 1) * E/n) and a
@@ -207,25 +225,32 @@ class SparseMoE(nn.Module):
         self.group = group
 
     def prepare_decode(self) -> None:
-        """Decide (outside any compiled trace: the probe runs ops) whether a step's routed
-        experts run as kernels/expert_qmv.py's two launches: 4-bit affine experts, one
-        device, and the kernels passed their probe for this shape and dtype."""
+        """Decide (outside any compiled trace: the probes run ops) which kernels a step's MoE
+        runs: the routing in one launch (kernels/moe_route.py) and the routed experts in two
+        (kernels/expert_qmv.py: 4-bit affine experts on one device), each where it passed
+        its probe for this shape and dtype."""
+        dtype = _dtype(self.gate)
+        if self._checked == str(dtype):
+            return  # decided once per dtype: this runs every step
+        self._checked, self._route_for, self._kernel_for = str(dtype), "", ""
+        routing = kernel_module("moe_route")
+        n_experts = _outputs(self.gate)
+        if routing is not None and routing.available(
+            n_experts, self.top_k, self.norm_topk_prob, dtype
+        ):
+            self._route_for = str(dtype)
         experts = self.experts
-        scales = getattr(experts, "gate_up_proj", None)
         if not isinstance(experts, QuantizedExperts) or getattr(self, "group", None):
             return
-        dtype = scales["scales"].dtype
-        if getattr(self, "_checked", "") == str(dtype):
-            return  # decided once per dtype: this runs every step
-        self._checked, self._kernel_for = str(dtype), ""
         kernel = kernel_module("expert_qmv")
         shape = (experts.hidden, experts.intermediate, experts.num_experts, self.top_k)
-        if kernel is not None and kernel.available(*shape, experts.group_size, dtype):
-            self._kernel_for = str(dtype)
+        scales = experts.gate_up_proj["scales"].dtype
+        if kernel is not None and kernel.available(*shape, experts.group_size, scales):
+            self._kernel_for = str(scales)
 
     def _fused(self, x: mx.array) -> bool:
         """Whether this call's routed experts run as the expert kernels (prepare_decode)."""
-        if getattr(self, "_kernel_for", "") != str(x.dtype) or x.shape[0] > STEP_MAX_ROWS:
+        if self._kernel_for != str(x.dtype) or x.shape[0] > STEP_MAX_ROWS:
             return False
         return kernel_module("expert_qmv").fits(x, self.experts, self.top_k)
 
