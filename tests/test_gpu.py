@@ -752,11 +752,12 @@ def test_moe_route_kernel_matches_the_op_path(dtype, normalize, monkeypatch):
     kernel.available.cache_clear()
 
 
-def test_flash_next_steps_with_the_moe_kernels_on_gpu(tmp_path, monkeypatch):
-    """A fresh tiny Flash-Next with the routing kernel switched on (its traces made with
-    it): the layers choose it, a verify's rows equal its plain steps bit for bit, and the
-    greedy tokens of a short run are those of the op path's model."""
-    from qwen38_backend.kernels import moe_route as kernel
+@pytest.mark.parametrize("switches", [("ROUTE",), ("STREAM",), ("ROUTE", "STREAM")])
+def test_flash_next_steps_with_its_step_kernels_on_gpu(tmp_path, monkeypatch, switches):
+    """A fresh tiny Flash-Next with the routing and / or stream-mix kernels switched on (its
+    traces made with them): the layers choose them, the greedy tokens of a short run are
+    the op path's model's, and a verify's rows equal its plain steps bit for bit."""
+    from qwen38_backend.kernels import moe_route, stream_mix
 
     import qwen38_backend
     from qwen38_backend.testing import make_tiny_weights
@@ -767,14 +768,78 @@ def test_flash_next_steps_with_the_moe_kernels_on_gpu(tmp_path, monkeypatch):
     def tokens(model) -> list[int]:
         return list(model.generate_tokens(prompt, max_tokens=12, stop_token_ids=[]))
 
-    kernel.available.cache_clear()
     plain = tokens(qwen38_backend.load(str(path), dtype="bfloat16"))
-    monkeypatch.setenv("QWEN38_ROUTE_KERNEL", "auto")
-    kernel.available.cache_clear()
+    for name in switches:
+        monkeypatch.setenv(f"QWEN38_{name}_KERNEL", "auto")
+    moe_route.available.cache_clear()
+    stream_mix.available.cache_clear()
     model = qwen38_backend.load(str(path), dtype="bfloat16")
     assert tokens(model) == plain
-    assert all(layer.mlp._route_for for layer in model.net.model.layers)
+    for layer in model.net.model.layers:
+        assert bool(layer.mlp._route_for) == ("ROUTE" in switches)
+        for hc in (layer.attn_hyper_connection, layer.mlp_hyper_connection):
+            assert bool(hc._kernel_for) == ("STREAM" in switches)
     assert_verify_rows_equal_steps(model, 37, STORES["contiguous"])
+    moe_route.available.cache_clear()
+    stream_mix.available.cache_clear()
+
+
+# ----- a gated residual's norm, gates and mix in three launches (kernels/stream_mix.py) ----
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_stream_mix_kernels_match_the_op_path(dtype, monkeypatch):
+    """Flash-Next's streams (4 of 2560, low rank 320): the probe passes; for 1..16 rows each
+    output is within two ulps of the gated residual's ops (the gates and the mix, whose
+    roundings the kernels follow op by op; in half precision nearly all equal) and every
+    row equals a one-row launch; a GatedResidual step with them on: its inject weights
+    within two ulps, its block input close to the op path's."""
+    from qwen38_backend.kernels import stream_mix as kernel
+    from qwen38_backend.kernels.qk_norm_rope import within_ulps
+
+    from qwen38_backend.models.hyper_connections import GatedResidual, stream_mean
+
+    monkeypatch.setenv("QWEN38_STREAM_KERNEL", "auto")  # off by default until measured
+    kernel.available.cache_clear()
+    assert kernel.available(2560, 4, 320, 1e-6, dtype)
+    width = 4 * 2560
+    for rows in (1, 5, 16):
+        keys = mx.random.split(mx.random.key(rows), 4)
+        x = (3 * mx.random.normal((rows, width), key=keys[0])).astype(dtype)
+        weight = (0.2 * mx.random.normal((width,), key=keys[1])).astype(dtype)
+        y = (2 * mx.random.normal((rows, 324), key=keys[2])).astype(dtype)
+        up = (2 * mx.random.normal((rows, width), key=keys[3])).astype(dtype)
+        normed = kernel.norm(x, weight, 4, 1e-6)
+        gate, inj = kernel.gates(y, 320, 4, True)
+        mixed = kernel.mix(up, normed, 4)
+        want = kernel.reference(x, weight, y, up, 4, 320, 1e-6)
+        got = (normed, gate, inj, mixed)
+        for g, w in zip(got, (*want[:3], stream_mean(up, normed, 4)), strict=True):
+            assert within_ulps(g, w, 2)
+            if dtype != mx.float32:  # a normaliser an fp32 ulp apart seldom moves a half
+                assert mx.mean((g == w).astype(mx.float32)).item() > 0.99
+        for t in range(rows):
+            one = (
+                kernel.norm(x[t : t + 1], weight, 4, 1e-6),
+                *kernel.gates(y[t : t + 1], 320, 4, True),
+                kernel.mix(up[t : t + 1], normed[t : t + 1], 4),
+            )
+            for a, g in zip(one, got, strict=True):
+                assert mx.array_equal(a, g[t : t + 1]).item(), t
+    hc = GatedResidual(2560, 4, 320, 1e-6)
+    keys = mx.random.split(mx.random.key(3), 4)
+    hc.hc_norm.weight = 0.2 * mx.random.normal((width,), key=keys[0])
+    hc.input_mix_weight_down.weight = 0.02 * mx.random.normal((320, width), key=keys[1])
+    hc.input_mix_weight_up.weight = 0.1 * mx.random.normal((width, 320), key=keys[2])
+    hc.block_inject_weight.weight = 0.02 * mx.random.normal((4, width), key=keys[3])
+    hc.fuse()
+    hc.set_dtype(dtype)
+    R = (2 * mx.random.normal((3, width), key=mx.random.key(4))).astype(dtype)
+    op_x, op_inj = hc.open(R)
+    hc.prepare_decode(dtype)
+    assert hc._kernels(R) is not None
+    x, inj = hc.open(R)
+    assert within_ulps(inj, op_inj, 2)
+    rel = mx.linalg.norm((x - op_x).astype(mx.float32)) / mx.linalg.norm(op_x.astype(mx.float32))
+    assert rel.item() < 2.0**-7
     kernel.available.cache_clear()
 
 

@@ -24,6 +24,7 @@ from qwen38_backend.kernels import (
     qk_norm_rope,
     quest_select,
     rows_matmul,
+    stream_mix,
 )
 
 pytestmark = pytest.mark.nvcc
@@ -37,6 +38,7 @@ MODULES = (
     qk_norm_rope,
     quest_select,
     rows_matmul,
+    stream_mix,
 )
 # every cached kernel factory: cleared before and after, so no recorder result outlives a test
 FACTORIES = (
@@ -53,6 +55,9 @@ FACTORIES = (
     quest_select._keys_kernel,
     rows_matmul._kernel,
     rows_matmul._norm_kernel,
+    stream_mix._norm_kernel,
+    stream_mix._gates_kernel,
+    stream_mix._mix_kernel,
 )
 C_TYPES = {
     mx.bfloat16: "__nv_bfloat16",
@@ -267,4 +272,19 @@ def test_moe_route_compiles(recorded, tmp_path, dtype, normalize):
     # Flash-Next's router: 512 experts, 10 a token; and a width that is not whole lanes
     for experts, k in ((512, 10), (40, 3)):
         template = [("T", dtype), ("E", experts), ("KT", k), ("NORM", normalize)]
+        compiles(tmp_path, kernel, types, template)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_stream_mix_compiles(recorded, tmp_path, dtype):
+    stream_mix._norm_kernel(1e-6)
+    stream_mix._gates_kernel(True)
+    stream_mix._gates_kernel(False)
+    stream_mix._mix_kernel()
+    t = C_TYPES[dtype]
+    # Flash-Next's streams: 4 of 2560, low rank 320
+    for name, kernel in recorded.items():
+        types = {n: t for n in kernel["inputs"] + kernel["outputs"]}
+        template = [("T", dtype), ("H", 2560), ("S", 4), ("L", 320)]
+        template.append(("INJ", 4 if name.endswith("_inject") else 0))
         compiles(tmp_path, kernel, types, template)

@@ -5,10 +5,13 @@ block input and injects the block output back into every stream; `read` is the m
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..rows import per_row
+from ..kernel_import import kernel_module
+from ..rows import STEP_MAX_ROWS, per_row
 from .layers import can_fuse, fuse_linears, split_outputs
 
 
@@ -28,12 +31,31 @@ class GroupedRMSNorm(nn.Module):
         return (y * (1.0 + self.weight.astype(mx.float32))).astype(x.dtype)
 
 
+def gate_down(down: mx.array, streams: int) -> mx.array:
+    """The low-rank gate silu(down / S) (the up projection's input)."""
+    return nn.silu(down / streams)
+
+
+def gate_inject(inject: mx.array, streams: int) -> mx.array:
+    """The inject weights 2 sigmoid(inject / S), one per stream."""
+    return 2.0 * mx.sigmoid(inject / streams)
+
+
+def stream_mean(up: mx.array, normed: mx.array, streams: int) -> mx.array:
+    """mean over the streams of sigmoid(up) * normed: [..., S * H] -> [..., H]."""
+    # the product before the reshape: the sigmoid and the product fuse (one kernel)
+    return (mx.sigmoid(up) * normed).reshape(*up.shape[:-1], streams, -1).mean(axis=-2)
+
+
 class GatedResidual(nn.Module):
     """`hc_norm`, `input_mix_weight_down/up`, and `block_inject_weight` unless read-only."""
 
+    _checked = ""  # the dtype prepare_decode decided for
+    _kernel_for = ""  # the dtype whose steps run kernels/stream_mix.py ("": none)
+
     def __init__(self, hidden: int, hc_count: int, lowrank: int, eps: float, inject: bool = True):
         super().__init__()
-        self.hidden, self.hc_count = hidden, hc_count
+        self.hidden, self.hc_count, self.lowrank = hidden, hc_count, lowrank
         width = hidden * hc_count
         self.hc_norm = GroupedRMSNorm(width, hidden, eps)
         self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
@@ -54,28 +76,62 @@ class GatedResidual(nn.Module):
         self.down_inject_proj = fuse_linears(parts)
         del self["input_mix_weight_down"], self["block_inject_weight"]
 
-    def _mixed(self, R: mx.array, Rn: mx.array, down: mx.array) -> mx.array:
-        """The block input x [T, hidden] from the normed streams and their down projection."""
-        gm = nn.silu(down / self.hc_count)
+    def prepare_decode(self, dtype: mx.Dtype) -> None:
+        """Decide (outside any compiled trace: the probe runs ops) whether a step's norm,
+        gates and mix of streams of `dtype` run as kernels/stream_mix.py's launches."""
+        if self._checked == str(dtype):
+            return  # decided once per dtype: this runs every step
+        self._checked, self._kernel_for = str(dtype), ""
+        kernel = kernel_module("stream_mix")
+        shape = (self.hidden, self.hc_count, self.lowrank, self.hc_norm.eps)
+        if kernel is not None and kernel.available(*shape, dtype):
+            self._kernel_for = str(dtype)
+
+    def _kernels(self, R: mx.array) -> ModuleType | None:
+        """The stream-mix kernels where prepare_decode chose them for a step of R's rows."""
+        if self._kernel_for != str(R.dtype) or R.ndim != 2 or R.shape[0] > STEP_MAX_ROWS:
+            return None
+        return kernel_module("stream_mix")
+
+    def _norm(self, R: mx.array, kernels: ModuleType | None) -> mx.array:
+        if kernels is None:
+            return self.hc_norm(R)
+        return kernels.norm(R, self.hc_norm.weight, self.hc_count, self.hc_norm.eps)
+
+    def _mixed(self, normed: mx.array, gate: mx.array, kernels: ModuleType | None) -> mx.array:
+        """The block input x [T, hidden] from the normed streams and the low-rank gate."""
         # per_row: a verify row's products are a plain step's on the CPU (rows.py)
-        G = mx.sigmoid(per_row(self.input_mix_weight_up, gm))
-        # the product before the reshape: the sigmoid and the product fuse (one kernel)
-        return (G * Rn).reshape(*R.shape[:-1], self.hc_count, self.hidden).mean(axis=-2)
+        up = per_row(self.input_mix_weight_up, gate)
+        if kernels is None:
+            return stream_mean(up, normed, self.hc_count)
+        return kernels.mix(up, normed, self.hc_count)
 
     def read(self, R: mx.array) -> mx.array:
         """The mixed block input only (the final mixer before lm_head)."""
-        Rn = self.hc_norm(R)
-        return self._mixed(R, Rn, per_row(self.input_mix_weight_down, Rn))
+        kernels = self._kernels(R)
+        normed = self._norm(R, kernels)
+        down = per_row(self.input_mix_weight_down, normed)
+        if kernels is None:
+            gate = gate_down(down, self.hc_count)
+        else:
+            gate, _ = kernels.gates(down, self.lowrank, self.hc_count, False)
+        return self._mixed(normed, gate, kernels)
 
     def open(self, R: mx.array) -> tuple[mx.array, mx.array]:
         """(block input x [T, hidden], inject weights inj [T, hc]): what precedes the block."""
-        Rn = self.hc_norm(R)
+        kernels = self._kernels(R)
+        normed = self._norm(R, kernels)
         if "down_inject_proj" in self:
-            down, inj = split_outputs(per_row(self.down_inject_proj, Rn), self._down_sizes)
+            down_inject = per_row(self.down_inject_proj, normed)
+            if kernels is not None:
+                gate, inj = kernels.gates(down_inject, self.lowrank, self.hc_count, True)
+                return self._mixed(normed, gate, kernels), inj
+            down, inj = split_outputs(down_inject, self._down_sizes)
         else:
-            down = per_row(self.input_mix_weight_down, Rn)
-            inj = per_row(self.block_inject_weight, Rn)
-        return self._mixed(R, Rn, down), 2.0 * mx.sigmoid(inj / self.hc_count)
+            down = per_row(self.input_mix_weight_down, normed)
+            inj = per_row(self.block_inject_weight, normed)
+        gate = gate_down(down, self.hc_count)
+        return self._mixed(normed, gate, kernels), gate_inject(inj, self.hc_count)
 
     def close(self, R: mx.array, inj: mx.array, out: mx.array) -> mx.array:
         """R + inj[s] * out on every stream s (added to the un-normed R)."""

@@ -174,8 +174,10 @@ class Qwen4ExpBlock(nn.Module):
             st = st.mixer
         # a step: the mixer, the router, experts, shared expert and both stream mixes
         # replayed as compiled graphs instead of ~150 ops encoded from Python per layer
-        if decode:
-            self.mlp.prepare_decode()  # outside the trace: the expert kernels' probe runs ops
+        if decode:  # outside the trace: the kernels' probes run ops
+            self.mlp.prepare_decode()
+            self.attn_hyper_connection.prepare_decode(R.dtype)
+            self.mlp_hyper_connection.prepare_decode(R.dtype)
         if self.is_linear and decode:
             return self.decode_linear(R, st)
         if decode:
@@ -275,6 +277,7 @@ class Qwen4ExpModel(CausalLM):
         # verify's rows take the row-invariant kernel or run one by one (rows._split_plan).
         with unpadded():
             if R.shape[0] <= STEP_MAX_ROWS and Qwen4ExpBlock.compile_decode:  # one replay
+                self.model.hyper_connection_mixer.prepare_decode(R.dtype)
                 read = compiled(self.model.hyper_connection_mixer, "read")
             return self.logits_from_hidden(read(R))
 
