@@ -19,8 +19,9 @@ The launches, each of T (the streams' half or single precision) in and out:
 - `mix`: x[h] = mean over streams s of sigmoid(up[s H + h]) * normed[s H + h], the sum
   over the streams in order, then times 1 / S rounded to T (as mx.mean scales).
 Every row is computed alone, so a verify's rows equal plain steps. `available()` probes the
-three against the op path once per shape and dtype (within two ulps of T, rows equal to
-one-row launches). Off by default (QWEN38_STREAM_KERNEL=auto turns it on) until an H200 run
+three against the op path once per shape and dtype (within `tolerance(T)` ulps of T: two
+in half precision, where the roundings to T hide the order of fp32 sums, 64 in fp32, where
+they do not; rows equal to one-row launches). Off by default (QWEN38_STREAM_KERNEL=auto turns it on) until an H200 run
 has measured it.
 """
 
@@ -190,6 +191,11 @@ def mix(up: mx.array, normed: mx.array, streams: int) -> mx.array:
     return x
 
 
+def tolerance(dtype: mx.Dtype) -> int:
+    """Ulps of `dtype` the kernels may differ from the op path by."""
+    return 64 if dtype == mx.float32 else 2
+
+
 def supported() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
@@ -215,7 +221,7 @@ def reference(
 @functools.cache
 def available(hidden: int, streams: int, low_rank: int, eps: float, dtype: mx.Dtype) -> bool:
     """True when the three kernels run here, each row equals a one-row launch bit for bit,
-    and each output is within two ulps of dtype of the op path (GatedResidual's ops) on
+    and each output is within tolerance(dtype) ulps of the op path (GatedResidual's ops) on
     random rows of this shape (probed once per shape and dtype); else False, warning why.
     QWEN38_STREAM_KERNEL: off (the default, until measured) | auto | force (no probe)."""
     decided = switched("QWEN38_STREAM_KERNEL", lambda: dtype in DTYPES and supported(), "off")
@@ -249,11 +255,12 @@ def available(hidden: int, streams: int, low_rank: int, eps: float, dtype: mx.Dt
     # the mix against the op path's on the kernel's own normed rows (the norm's ulps
     # would carry into it)
     want = (*want[:3], stream_mean(up, got[0], streams))
-    close = all(within_ulps(g, w, 2) for g, w in zip(got, want, strict=True))
+    ulps = tolerance(dtype)
+    close = all(within_ulps(g, w, ulps) for g, w in zip(got, want, strict=True))
     if not (same_rows and close):
         warnings.warn(
             f"stream-mix kernels disagree (rows equal to one-row launches: {same_rows}, "
-            f"within two ulps of the op path: {close}); using the op path",
+            f"within {ulps} ulps of the op path: {close}); using the op path",
             stacklevel=2,
         )
         return False

@@ -1,0 +1,300 @@
+"""Run a kernel module's CUDA sources on the CPU: its `cuda_kernel` replaced by a factory
+whose kernels compile (g++) with a small emulation of CUDA's thread model and run there, so
+a kernel's indexing, reductions and selection are checked against the op path on a machine
+without a GPU, through the module's own launch code (grid, template, outputs).
+
+The emulation: blocks run one after another, each block's threads as fibers (ucontext) on
+one OS thread; `__syncthreads` and `__shfl_xor_sync` are barriers over the block / warp (a
+thread that returns leaves them; threads waiting at different ones abort the run);
+`__shared__` variables are statics (one block at a time); half types round to nearest even
+as CUDA converts. Device math is the C library's (no fast-math
+approximations), so results may differ from a GPU's in the last bits: tests compare with
+tolerances. Not emulated: dynamic shared memory, async copies, tensor-core instructions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HEADER = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+#include <ucontext.h>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+
+struct dim3_ { unsigned x = 0, y = 0, z = 0; };
+struct alignas(16) float4 { float x, y, z, w; };
+
+struct __nv_bfloat16 {
+  uint16_t bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = 0x7fc0; return; }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    bits = static_cast<uint16_t>(u >> 16);
+  }
+  operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+struct __half {
+  _Float16 v;
+  __half() = default;
+  __half(float f) : v(static_cast<_Float16>(f)) {}
+  operator float() const { return static_cast<float>(v); }
+};
+
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+// A block's threads are fibers on this one OS thread: each runs until it waits at a barrier
+// (1: the block's, 2: its warp's) or ends; a barrier opens once every live thread of the
+// block / warp waits there.
+struct EmuFiber {
+  ucontext_t ctx;
+  dim3_ idx;
+  int wait = 0;
+  bool done = false;
+};
+static std::vector<EmuFiber> emu_fibers;
+static std::vector<uint64_t> emu_slots;
+static int emu_current = 0;
+static ucontext_t emu_main;
+static std::function<void()> emu_body;
+dim3_ blockDim, gridDim, blockIdx;
+
+inline const dim3_& emu_thread_idx() { return emu_fibers[emu_current].idx; }
+#define threadIdx emu_thread_idx()
+
+inline void emu_wait(int kind) {
+  EmuFiber& f = emu_fibers[emu_current];
+  f.wait = kind;
+  swapcontext(&f.ctx, &emu_main);
+}
+inline void __syncthreads() { emu_wait(1); }
+template <typename V> V __shfl_xor_sync(unsigned, V v, int offset) {
+  const int t = emu_current;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(V));
+  emu_slots[t] = bits;
+  emu_wait(2);
+  const uint64_t other = emu_slots[(t & ~31) | ((t & 31) ^ offset)];
+  emu_wait(2);
+  V r;
+  std::memcpy(&r, &other, sizeof(V));
+  return r;
+}
+
+static void emu_entry() {
+  emu_body();
+  emu_fibers[emu_current].done = true;
+  swapcontext(&emu_fibers[emu_current].ctx, &emu_main);
+}
+
+static void emu_run_block(int n, std::vector<std::vector<char>>& stacks) {
+  for (int t = 0; t < n; ++t) {
+    EmuFiber& f = emu_fibers[t];
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = stacks[t].data();
+    f.ctx.uc_stack.ss_size = stacks[t].size();
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, emu_entry, 0);
+    f.idx = {t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+    f.wait = 0;
+    f.done = false;
+  }
+  for (;;) {
+    bool progress = false, live = false;
+    for (int t = 0; t < n; ++t) {
+      if (emu_fibers[t].done || emu_fibers[t].wait) continue;
+      emu_current = t;
+      swapcontext(&emu_main, &emu_fibers[t].ctx);
+      progress = true;
+    }
+    bool block_open = true;
+    for (int t = 0; t < n; ++t) {
+      if (emu_fibers[t].done) continue;
+      live = true;
+      block_open = block_open && emu_fibers[t].wait == 1;
+    }
+    if (!live) return;
+    if (block_open) {
+      for (auto& f : emu_fibers) f.wait = 0;
+      continue;
+    }
+    for (int w = 0; w < n; w += 32) {
+      bool open = false, all = true;
+      for (int t = w; t < n && t < w + 32; ++t) {
+        if (emu_fibers[t].done) continue;
+        open = true;
+        all = all && emu_fibers[t].wait == 2;
+      }
+      if (open && all) {
+        for (int t = w; t < n && t < w + 32; ++t) emu_fibers[t].wait = 0;
+        progress = true;
+      }
+    }
+    if (!progress) {
+      std::fprintf(stderr, "emulated kernel: threads wait at different barriers\n");
+      std::abort();
+    }
+  }
+}
+
+template <typename F> void emu_launch(F body, dim3_ grid, dim3_ block) {
+  gridDim = grid;
+  blockDim = block;
+  const int n = block.x * block.y * block.z;
+  emu_fibers.assign(n, EmuFiber{});
+  emu_slots.assign(n, 0);
+  std::vector<std::vector<char>> stacks(n, std::vector<char>(64 * 1024));
+  emu_body = body;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = {x, y, z};
+        emu_run_block(n, stacks);
+      }
+}
+"""
+
+C_TYPES = {
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float16: "__half",
+    mx.float32: "float",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+}
+# how an array of each dtype crosses to numpy and back (half types as their raw bits)
+_RAW = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16}
+_BUILT: dict[str, ctypes.CDLL] = {}
+_DIR = Path(tempfile.mkdtemp(prefix="qwen38_cuda_emulator_"))
+
+
+def _constant(name: str, value) -> str:
+    if isinstance(value, bool):
+        return f"constexpr bool {name} = {str(value).lower()};"
+    if isinstance(value, int):
+        return f"constexpr int {name} = {value};"
+    return f"using {name} = {C_TYPES[value]};"
+
+
+def _library(source: str) -> ctypes.CDLL:
+    key = hashlib.sha1(source.encode()).hexdigest()[:16]
+    if key not in _BUILT:
+        path = _DIR / f"k{key}.cpp"
+        path.write_text(source)
+        out = _DIR / f"k{key}.so"
+        run = subprocess.run(
+            ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas"]
+            + [str(path), "-o", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"emulated kernel did not compile:\n{run.stderr[:4000]}")
+        _BUILT[key] = ctypes.CDLL(str(out))
+    return _BUILT[key]
+
+
+class EmulatedKernel:
+    """A stand-in for mx.fast.cuda_kernel's result that runs the source on the CPU."""
+
+    def __init__(self, *, name, input_names, output_names, source, header="", **_):
+        self.name, self.inputs, self.outputs = name, input_names, output_names
+        self.source, self.header = source, header
+
+    def __call__(
+        self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_
+    ) -> list[mx.array]:
+        arrays = [mx.contiguous(a) for a in inputs]  # MLX copies to row-contiguous too
+        params, args, keep = [], [], []
+        for name, a in zip(self.inputs, arrays, strict=True):
+            params.append(f"const {C_TYPES[a.dtype]}* {name}")
+            data = np.array(a.view(_RAW.get(a.dtype, a.dtype)) if a.ndim else a.reshape(1))
+            keep.append(data)
+            args.append(f"(const {C_TYPES[a.dtype]}*)p[{len(keep) - 1}]")
+            if f"{name}_shape" in self.source:
+                shape = np.array(a.shape or (1,), dtype=np.int32)
+                keep.append(shape)
+                params.append(f"const int* {name}_shape")
+                args.append(f"(const int*)p[{len(keep) - 1}]")
+        outs = []
+        for name, shape, dtype in zip(self.outputs, output_shapes, output_dtypes, strict=True):
+            # unwritten elements read as NaN (floats) or all ones (integers)
+            raw = _np_dtype(_RAW.get(dtype, dtype))
+            out = np.full(int(np.prod(shape)) * dtype.size, 0xFF, np.uint8).view(raw)
+            out = out.reshape(shape)
+            outs.append((out, dtype))
+            keep.append(out)
+            params.append(f"{C_TYPES[dtype]}* {name}")
+            args.append(f"({C_TYPES[dtype]}*)p[{len(keep) - 1}]")
+        constants = "\n".join(_constant(n, v) for n, v in template)
+        source = "\n".join(
+            [
+                HEADER,
+                "\n".join(ln for ln in self.header.splitlines() if '#include "mlx/' not in ln),
+                f"void kernel_body({', '.join(params)}) {{",
+                constants,
+                self.source,
+                "}",
+                'extern "C" void run(void** p, unsigned gx, unsigned gy, unsigned gz,',
+                "                    unsigned bx, unsigned by, unsigned bz) {",
+                f"  emu_launch([&] {{ kernel_body({', '.join(args)}); }},",
+                "             dim3_{gx, gy, gz}, dim3_{bx, by, bz});",
+                "}",
+            ]
+        )
+        lib = _library(source)
+        pointers = (ctypes.c_void_p * len(keep))(*[k.ctypes.data for k in keep])
+        blocks = [g // t for g, t in zip(grid, threadgroup, strict=True)]
+        lib.run(pointers, *[ctypes.c_uint(v) for v in (*blocks, *threadgroup)])
+        return [
+            mx.array(out).view(dtype) if dtype in _RAW else mx.array(out) for out, dtype in outs
+        ]
+
+
+def _np_dtype(dtype: mx.Dtype) -> np.dtype:
+    return np.dtype(str(dtype).split(".")[-1])
+
+
+def clear_caches(module) -> None:
+    """Forget `module`'s cached kernels and probe results."""
+    for value in vars(module).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+def emulate(monkeypatch, module) -> None:
+    """Make `module`'s kernels run on the CPU emulation (its cuda_kernel, its supported()
+    true, its caches cleared; the caller clears them again afterwards)."""
+    monkeypatch.setattr(module, "cuda_kernel", EmulatedKernel)
+    monkeypatch.setattr(module, "supported", lambda: True)
+    clear_caches(module)
