@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import subprocess
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from qwen38_backend.kernels import decode_attention, rows_matmul
 
 HEADER = r"""
 #include <cmath>
@@ -41,6 +43,11 @@ HEADER = r"""
 
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
 
 struct __nv_bfloat16 {
   uint16_t bits;
@@ -72,6 +79,18 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+// MLX's device ops the product epilogues name (binary_ops.cuh, unary_ops.cuh): the
+// operation in fp32, rounded to T on return, as CUDA's half types compute
+namespace mlx::core::cu {
+struct Add { template <typename T> T operator()(T a, T b) { return T(float(a) + float(b)); } };
+struct Multiply {
+  template <typename T> T operator()(T a, T b) { return T(float(a) * float(b)); }
+};
+struct Sigmoid {
+  template <typename T> T operator()(T x) { return T(1.0f / (1.0f + std::exp(-float(x)))); }
+};
+}  // namespace mlx::core::cu
 
 // A block's threads are fibers on this one OS thread: each runs until it waits at a barrier
 // (1: the block's, 2: its warp's) or ends; a barrier opens once every live thread of the
@@ -184,6 +203,26 @@ template <typename F> void emu_launch(F body, dim3_ grid, dim3_ block) {
 }
 """
 
+# cp.async and its groups as plain copies (a copy that has landed at once is one a wait
+# would see): the headers that issue them in PTX, replaced by their meaning
+ASYNC = {
+    decode_attention.ASYNC_COPIES: """
+namespace qwen38_dattn {
+inline void cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+}
+""",
+    rows_matmul.COPY_CHUNK: """
+namespace qwen38_rows {
+template <int B> inline void copy_async(void* smem, const void* gmem) {
+  std::memcpy(smem, gmem, B);
+}
+}
+""",
+}
+DYNAMIC_SHARED = re.compile(r"extern __shared__ (__align__\(\d+\) )?unsigned char (\w+)\[\];")
+
 C_TYPES = {
     mx.bfloat16: "__nv_bfloat16",
     mx.float16: "__half",
@@ -227,9 +266,15 @@ def _library(source: str) -> ctypes.CDLL:
 class EmulatedKernel:
     """A stand-in for mx.fast.cuda_kernel's result that runs the source on the CPU."""
 
-    def __init__(self, *, name, input_names, output_names, source, header="", **_):
+    def __init__(self, *, name, input_names, output_names, source, header="", shared_memory=0, **_):
         self.name, self.inputs, self.outputs = name, input_names, output_names
-        self.source, self.header = source, header
+        for issued, landed in ASYNC.items():
+            header = header.replace(issued, landed)
+        # dynamic shared memory: a static buffer of the launch's size
+        self.source = DYNAMIC_SHARED.sub(
+            rf"static __align__(16) unsigned char \2[{max(shared_memory, 16)}];", source
+        )
+        self.header = header
 
     def __call__(
         self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_
@@ -296,5 +341,5 @@ def emulate(monkeypatch, module) -> None:
     """Make `module`'s kernels run on the CPU emulation (its cuda_kernel, its supported()
     true, its caches cleared; the caller clears them again afterwards)."""
     monkeypatch.setattr(module, "cuda_kernel", EmulatedKernel)
-    monkeypatch.setattr(module, "supported", lambda: True)
+    monkeypatch.setattr(module, "supported", lambda *_, **__: True)
     clear_caches(module)

@@ -1,8 +1,10 @@
 """The step kernels' CUDA sources run on the CPU (tests/cuda_emulator.py: g++ and an
 emulation of CUDA's threads, warps and shared memory) through their modules' own launch
 code and probes, against the op path: Flash-Next's routing (kernels/moe_route.py), stream
-mixes (kernels/stream_mix.py) and routed experts (kernels/expert_qmv.py). What this cannot
-show (a GPU's own math, speed) the GPU tests and benchmarks do."""
+mixes (kernels/stream_mix.py) and routed experts (kernels/expert_qmv.py), and the 27B's
+Gated DeltaNet step (kernels/gdn_decode.py) and row-invariant products
+(kernels/rows_matmul.py). What this cannot show (a GPU's own math, speed) the GPU tests and
+benchmarks do."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from cuda_emulator import clear_caches, emulate
-from qwen38_backend.kernels import expert_qmv, moe_route, stream_mix
+from qwen38_backend.kernels import expert_qmv, gdn_decode, moe_route, rows_matmul, stream_mix
 from qwen38_backend.kernels.qk_norm_rope import within_ulps
 
 from qwen38_backend.models.hyper_connections import GatedResidual, stream_mean
@@ -138,6 +140,7 @@ def test_expert_kernels_match_an_fp32_reference(emulated, monkeypatch):
     assert rel(moe(x) - shared, want) < 2.0**-6
 
 
+@pytest.mark.slow  # ~30 s: every step's kernels emulated
 def test_flash_next_greedy_with_the_step_kernels(emulated, tmp_path, monkeypatch):
     """A tiny Flash-Next (fp32; its traces uncompiled, so the emulated kernels see values)
     with the routing and stream-mix kernels on: every layer chooses them, its greedy tokens
@@ -176,3 +179,69 @@ def test_flash_next_greedy_with_the_step_kernels(emulated, tmp_path, monkeypatch
             assert np.array_equal(rows[i], step), i
     finally:
         mx.enable_compile()
+
+
+# ----- kernels whose last changes have not yet run on a GPU (session 27) -------------------
+@pytest.fixture
+def emulated_27b(monkeypatch):
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    for module in (gdn_decode, rows_matmul):
+        emulate(monkeypatch, module)
+    for name in ("GDN_KERNEL", "ROWS_KERNEL", "ROWS_EPILOGUES"):
+        monkeypatch.setenv(f"QWEN38_{name}", "auto")
+    yield
+    for module in (gdn_decode, rows_matmul):
+        clear_caches(module)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_gdn_decode_kernel_matches_the_op_path(emulated_27b, dtype):
+    """Its probe passes at the 27B's heads (16 key, 48 value heads of 128) and a small
+    sigmoid-gated shape; three rows in one launch equal three one-row launches chained
+    (each row's output and state, bit for bit)."""
+    assert gdn_decode.available((16, 48, 128, 128, 1e-6, "silu"), dtype)
+    spec = (2, 4, 64, 32, 1e-6, "sigmoid")
+    assert gdn_decode.available(spec, dtype)
+    conv = 2 * 2 * 64 + 4 * 32
+    keys = mx.random.split(mx.random.key(3), 10)
+    qkv = mx.random.normal((3, conv), key=keys[0]).astype(dtype)
+    z = mx.random.normal((3, 4 * 32), key=keys[1]).astype(dtype)
+    b = mx.random.normal((3, 4), key=keys[2]).astype(dtype)
+    a = mx.random.normal((3, 4), key=keys[3]).astype(dtype)
+    hist = mx.random.normal((3, conv), key=keys[4]).astype(dtype)
+    conv_w = (0.5 * mx.random.normal((conv, 4), key=keys[5])).astype(dtype)
+    A_log = mx.random.uniform(0.0, 2.0, (4,), key=keys[6]).astype(dtype)
+    dt_bias = mx.random.uniform(-1.0, 1.0, (4,), key=keys[7]).astype(dtype)
+    S = 0.1 * mx.random.normal((4, 32, 64), key=keys[8])
+    norm_w = mx.ones((32,), dtype=dtype)
+    fixed = (conv_w, A_log, dt_bias)
+    out, _, states = gdn_decode.gdn_decode_rows(qkv, z, b, a, hist, *fixed, S, norm_w, spec=spec)
+    for t in range(3):
+        row = (qkv[t : t + 1], z[t : t + 1], b[t : t + 1], a[t : t + 1])
+        one, hist, S = gdn_decode.gdn_decode_step(*row, hist, *fixed, S, norm_w, spec=spec)
+        assert mx.array_equal(one, out[t : t + 1]).item(), t
+        assert mx.array_equal(S, states[t]).item(), t
+
+
+@pytest.mark.slow  # ~30 s a dtype: every walk and prologue of the product, emulated
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_rows_matmul_kernel_matches_its_probe(emulated_27b, monkeypatch, dtype):
+    """Its probe passes (1, 3 and 8 rows, the register and the staged walks, fp32 rows
+    rounded as they are copied); its residual epilogues store what the ops compute, bit for
+    bit; its swiglu epilogue within two ulps (the emulation's sigmoid is not MLX's); its norm
+    prologue gives each row the stand-alone norm kernel's bits, close to the op path."""
+    assert rows_matmul.available(dtype)
+    keys = mx.random.split(mx.random.key(13), 3)
+    k = 64 * (16 // dtype.size)
+    x = mx.random.normal((3, k), key=keys[0]).astype(dtype)
+    w = (mx.random.normal((2 * 301, k), key=keys[1]) * k**-0.5).astype(dtype)
+    res = (4 * mx.random.normal((3, 2 * 301), key=keys[2])).astype(dtype)
+    plain = rows_matmul.rows_matmul(x, w)
+    assert mx.array_equal(rows_matmul.rows_matmul(x, w, residual=res), res + plain).item()
+    gate, up = mx.split(plain, 2, axis=-1)
+    swiglu = rows_matmul.rows_matmul(x, w, swiglu=True)
+    assert within_ulps(swiglu, nn.silu(gate) * up, 2)
+    monkeypatch.setenv("QWEN38_ROWS_NORM", "auto")
+    monkeypatch.setenv("QWEN38_ROWS_EPILOGUES", "force")  # (bit-equal swiglu: the GPU's)
+    assert rows_matmul.norm_available(dtype)
