@@ -32,6 +32,7 @@ HEADER = r"""
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 #include <ucontext.h>
 
@@ -73,6 +74,17 @@ struct __half {
   operator float() const { return static_cast<float>(v); }
 };
 
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+struct __half2 { __half x, y; };
+inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {float(h.x), float(h.y)}; }
+inline float2 __half22float2(__half2 h) { return {float(h.x), float(h.y)}; }
+// CUDA's min / max take mixed integer types
+template <typename A, typename B> inline std::common_type_t<A, B> min(A a, B b) {
+  return a < b ? a : b;
+}
+template <typename A, typename B> inline std::common_type_t<A, B> max(A a, B b) {
+  return a < b ? b : a;
+}
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
@@ -117,6 +129,7 @@ inline void emu_wait(int kind) {
   swapcontext(&f.ctx, &emu_main);
 }
 inline void __syncthreads() { emu_wait(1); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(2); }
 template <typename V> V __shfl_xor_sync(unsigned, V v, int offset) {
   const int t = emu_current;
   uint64_t bits = 0;
@@ -221,6 +234,22 @@ template <int B> inline void copy_async(void* smem, const void* gmem) {
 }
 """,
 }
+# the attention kernels' helpers: the zero-filling copy as a copy or zeros; the tensor-core
+# ones (ldmatrix, mma) are not emulated and stop the run if called
+ASYNC[decode_attention._ATTENTION_HELPERS] = """
+namespace qwen38_dattn {
+inline void cp_async16_or_zero(void* smem, const void* gmem, bool live) {
+  if (live) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
+}
+inline void ldsm_x4(unsigned (&)[4], const void*) { std::abort(); }
+inline void ldsm_x4_trans(unsigned (&)[4], const void*) { std::abort(); }
+template <typename T> struct Mma {
+  static void run(float (&)[4], const unsigned (&)[4], unsigned, unsigned) { std::abort(); }
+  static unsigned pack(float, float) { std::abort(); }
+  static float rest(float) { std::abort(); }
+};
+}
+"""
 DYNAMIC_SHARED = re.compile(r"extern __shared__ (__align__\(\d+\) )?unsigned char (\w+)\[\];")
 
 C_TYPES = {
@@ -291,6 +320,11 @@ class EmulatedKernel:
                 keep.append(shape)
                 params.append(f"const int* {name}_shape")
                 args.append(f"(const int*)p[{len(keep) - 1}]")
+            if f"{name}_strides" in self.source:  # (of the contiguous copy passed)
+                strides = np.cumprod((1, *a.shape[:0:-1]))[::-1].astype(np.int64)
+                keep.append(np.ascontiguousarray(strides))
+                params.append(f"const int64_t* {name}_strides")
+                args.append(f"(const int64_t*)p[{len(keep) - 1}]")
         outs = []
         for name, shape, dtype in zip(self.outputs, output_shapes, output_dtypes, strict=True):
             # unwritten elements read as NaN (floats) or all ones (integers)

@@ -14,7 +14,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from cuda_emulator import clear_caches, emulate
-from qwen38_backend.kernels import expert_qmv, gdn_decode, moe_route, rows_matmul, stream_mix
+from qwen38_backend.kernels import (
+    decode_attention,
+    expert_qmv,
+    gdn_decode,
+    moe_route,
+    rows_matmul,
+    stream_mix,
+)
 from qwen38_backend.kernels.qk_norm_rope import within_ulps
 
 from qwen38_backend.models.hyper_connections import GatedResidual, stream_mean
@@ -245,3 +252,26 @@ def test_rows_matmul_kernel_matches_its_probe(emulated_27b, monkeypatch, dtype):
     monkeypatch.setenv("QWEN38_ROWS_NORM", "auto")
     monkeypatch.setenv("QWEN38_ROWS_EPILOGUES", "force")  # (bit-equal swiglu: the GPU's)
     assert rows_matmul.norm_available(dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [mx.bfloat16, mx.float32])
+def test_decode_attention_kernels_match_sdpa(monkeypatch, kv_dtype):
+    """The split-KV partial (the fp32-FMA form) and combine kernels on their probe's cases
+    (prefix and offset views, a gather, one row, a partial tile, several splits): within
+    tolerance of mx.fast.scaled_dot_product_attention; three rows equal one-row calls; paged
+    calls equal calls on the gathered rows (the view strides are the contiguous copy's
+    here: the emulation passes copies)."""
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    emulate(monkeypatch, decode_attention)
+    monkeypatch.setattr(decode_attention, "TENSOR_CORES", False)
+    try:
+        cases = decode_attention.probe_cases(kv_dtype, kv_dtype, 128, 3)
+        for q, k, v, scale in cases:
+            got = decode_attention.decode_attention(q, k, v, scale)
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+            assert decode_attention.mismatch(got, want) <= 1.0, k.shape
+        assert decode_attention.rows_are_steps(*cases[2])
+        assert decode_attention.paged_matches(*cases[2], 16)
+    finally:
+        clear_caches(decode_attention)
