@@ -25,6 +25,9 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
   (Model.prefill, Model.prefill_chunk unless --chunk), then decode tok/s over --decode tokens
   from it, median of --runs (each run rewinds to the prompt through a save point; every run
   must decode the same tokens);
+- with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
+  on (routing, stream mixes, routed experts: kernels/moe_route.py, stream_mix.py,
+  expert_qmv.py), the layers that chose them, and whether the tokens are the default's;
 - the bytes a decoded token reads (formula in the JSON, "bytes_per_token") and its bound at
   --bandwidth-gbps (default: 4.8 TB/s on an H200, measured on the CPU), decode as % of bound;
 - prefill tok/s at the other --prefill lengths, a fresh state each; a length whose projected
@@ -161,6 +164,77 @@ def by_stride(args, model, state, first: int, want: list[int], bound: float) -> 
     return out
 
 
+STEP_KERNELS = {"route": "ROUTE", "stream": "STREAM", "expert": "EXPERT"}
+
+
+def switch_step_kernels(model, chosen: set[str]) -> None:
+    """Switch Flash-Next's step kernels (QWEN38_<ROUTE|STREAM|EXPERT>_KERNEL) to auto for
+    `chosen`, off for the rest, and make the model decide and trace its steps again: each
+    layer decides once per dtype and a trace holds what it chose."""
+    import mlx.nn as nn
+
+    from qwen38_backend.kernel_import import kernel_module
+    from qwen38_backend.models.hyper_connections import GatedResidual
+    from qwen38_backend.models.moe import SparseMoE
+
+    for name, env in STEP_KERNELS.items():
+        os.environ[f"QWEN38_{env}_KERNEL"] = "auto" if name in chosen else "off"
+    for module_name in ("moe_route", "stream_mix", "expert_qmv"):
+        kernels = kernel_module(module_name)
+        if kernels is not None:
+            kernels.available.cache_clear()
+
+    def reset(_, module: nn.Module) -> None:
+        module.__dict__.pop("_compiled_methods", None)
+        if isinstance(module, (SparseMoE, GatedResidual)):
+            module._checked = ""
+
+    model.net.apply_to_modules(reset)
+
+
+def by_step_kernels(args, model, state, first: int, want: list[int], bound: float) -> dict:
+    """Decode tok/s (median of --runs) with each set of step kernels on (--step-kernels),
+    what each layer chose, and whether the tokens are the default run's."""
+    out = {}
+    for variant in args.step_kernels.split(","):
+        chosen = set() if variant == "off" else set(variant.split("+"))
+        unknown = chosen - set(STEP_KERNELS)
+        if unknown:
+            raise SystemExit(f"--step-kernels: unknown {sorted(unknown)}; use {list(STEP_KERNELS)}")
+        switch_step_kernels(model, chosen)
+        decode(model, state, first, 2)  # decides and traces the steps again
+        state.truncate(args.depth)
+        runs, tokens = [], []
+        for _ in range(args.runs):
+            tps, toks, _ = decode(model, state, first, args.decode)
+            runs.append(tps)
+            tokens.append(toks)
+            state.truncate(args.depth)
+        layers = model.net.model.layers
+        median = statistics.median(runs)
+        out[variant] = {
+            "tokens_per_second": {"median": median, "runs": runs},
+            "percent_of_bound": 100 * median / bound,
+            "runs_identical": all(t == tokens[0] for t in tokens),
+            "same_tokens_as_default": tokens[0] == want,
+            "layers_choosing": {
+                "route": sum(bool(layer.mlp._route_for) for layer in layers),
+                "expert": sum(bool(layer.mlp._kernel_for) for layer in layers),
+                "stream": sum(
+                    bool(m._kernel_for)
+                    for layer in layers
+                    for m in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
+                ),
+            },
+            "layers": len(layers),
+        }
+        log(
+            f"decode, step kernels {variant}: {median:.2f} tok/s, {out[variant]['layers_choosing']}"
+        )
+    switch_step_kernels(model, set())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dims", default="reduced", choices=["reduced", "flash"])
@@ -184,6 +258,13 @@ def main() -> None:
         default=None,
         help="comma list of QWEN38_EAGER_LAYERS strides (0: the whole step at once): decode "
         "tok/s for each, after the default",
+    )
+    ap.add_argument(
+        "--step-kernels",
+        default=None,
+        help="comma list of step-kernel sets (off, or +-joined route / stream / expert, e.g. "
+        "off,route+stream,route+stream+expert): decode tok/s with each switched on (auto), "
+        "the same weights and prompt, after the default",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -275,6 +356,9 @@ def main() -> None:
     result["decode_percent_of_bound"] = 100 * median / bound
     if args.eager_layers:
         result["decode_by_eager_layers"] = by_stride(args, model, state, first, outs[0], bound)
+    if args.step_kernels:
+        kernels = by_step_kernels(args, model, state, first, outs[0], bound)
+        result["decode_by_step_kernels"] = kernels
     del state
     mx.clear_cache()
     save(result, args.out)
