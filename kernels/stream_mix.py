@@ -21,8 +21,8 @@ The launches, each of T (the streams' half or single precision) in and out:
 Every row is computed alone, so a verify's rows equal plain steps. `available()` probes the
 three against the op path once per shape and dtype (within `tolerance(T)` ulps of T: two
 in half precision, where the roundings to T hide the order of fp32 sums, 64 in fp32, where
-they do not; rows equal to one-row launches). Off by default (QWEN38_STREAM_KERNEL=auto turns it on) until an H200 run
-has measured it.
+they do not; rows equal to one-row launches). Off by default (QWEN38_STREAM_KERNEL=auto
+turns it on) until an H200 run has measured it.
 """
 
 from __future__ import annotations

@@ -116,8 +116,9 @@ def test_expert_kernels_match_an_fp32_reference(emulated, monkeypatch):
     """At a reduced shape (hidden 256, intermediate 128, 3 of 8 experts, 4-bit groups of
     64), bf16: every row equals a one-row call; the routed sum is within bf16 rounding of
     the op path on the same operands in fp32 (MLX's CPU gather_qmm in bf16 is itself ~3%
-    off, so the probe's bf16 comparison cannot pass here: kernels/expert_qmv.py); a
-    SparseMoE step with the routing and expert kernels forced on is as close."""
+    off, so the probe's bf16 comparison cannot pass here: kernels/expert_qmv.py); the
+    shared expert's gated output is added in the last launch as the ops add it; a SparseMoE
+    step with the routing and expert kernels forced on is as close."""
     moe = SparseMoE(256, 8, 3, 128, 64)
     keys = mx.random.split(mx.random.key(2), 4)
     moe.experts.gate_up_proj = 0.06 * mx.random.normal((8, 256, 256), key=keys[0])
@@ -140,11 +141,17 @@ def test_expert_kernels_match_an_fp32_reference(emulated, monkeypatch):
         return (mx.linalg.norm(a.astype(mx.float32) - b) / mx.linalg.norm(b)).item()
 
     assert rel(got, want) < 2.0**-6
+    gate, values = moe.shared_expert_gate(x), moe.shared_expert(x)
+    with_shared = expert_qmv.routed_sum(
+        x, inds, weights, e.gate_up_proj, e.down_proj, 64, (gate, values)
+    )
+    # the shared expert's output added to the kernel's own routed sum as the ops add it
+    # (within two ulps: the emulation's sigmoid is not MLX's CPU one)
+    assert within_ulps(with_shared, got + mx.sigmoid(gate) * values, 2)
     monkeypatch.setenv("QWEN38_EXPERT_KERNEL", "force")
     moe.prepare_decode()
     assert moe._fused(x) and moe._route_for
-    shared = moe._shared(x)
-    assert rel(moe(x) - shared, want) < 2.0**-6
+    assert rel(moe(x), want + moe._shared(x).astype(mx.float32)) < 2.0**-6
 
 
 @pytest.mark.slow  # ~30 s: every step's kernels emulated

@@ -259,12 +259,12 @@ class SparseMoE(nn.Module):
         group = getattr(self, "group", None)
         if group is not None:
             return all_sum(self._local_experts(x, inds, weights) + self._shared(x), group)
-        if self._fused(x):
+        if self._fused(x):  # the shared expert's output added in the kernels' last launch
             e = self.experts
-            routed = kernel_module("expert_qmv").routed_sum(
-                x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size
+            shared = (per_row(self.shared_expert_gate, x), self.shared_expert(x))
+            return kernel_module("expert_qmv").routed_sum(
+                x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size, shared
             )
-            return routed + self._shared(x)
         return weighted_experts(self.experts, x, inds, weights) + self._shared(x)
 
     def _shared(self, x: mx.array) -> mx.array:
