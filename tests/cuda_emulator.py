@@ -306,7 +306,7 @@ class EmulatedKernel:
         self.header = header
 
     def __call__(
-        self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_
+        self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(), **_
     ) -> list[mx.array]:
         arrays = [mx.contiguous(a) for a in inputs]  # MLX copies to row-contiguous too
         params, args, keep = [], [], []

@@ -18,12 +18,16 @@ from qwen38_backend.kernels import (
     decode_attention,
     expert_qmv,
     gdn_decode,
+    gdn_prefill,
     moe_route,
+    qk_norm_rope,
+    quest_select,
     rows_matmul,
     stream_mix,
 )
 from qwen38_backend.kernels.qk_norm_rope import within_ulps
 
+from qwen38_backend.kv import quest
 from qwen38_backend.models.hyper_connections import GatedResidual, stream_mean
 from qwen38_backend.models.moe import QuantizedExperts, SparseMoE, route, weighted_experts
 
@@ -282,3 +286,41 @@ def test_decode_attention_kernels_match_sdpa(monkeypatch, kv_dtype):
         assert decode_attention.paged_matches(*cases[2], 16)
     finally:
         clear_caches(decode_attention)
+
+
+# ----- kernels the H200 has run: emulated too, so a CPU-only change to them is checked -------
+def test_qk_norm_rope_kernel_passes_its_probe(monkeypatch):
+    """The 27B's gated heads (24 of 256, 4 KV heads, 64 rotary dims) and an ungated,
+    interleaved layout: rows equal one-row launches at their positions, within two ulps of
+    the op path."""
+    emulate(monkeypatch, qk_norm_rope)
+    monkeypatch.setenv("QWEN38_QK_KERNEL", "auto")
+    try:
+        for gated, head_dim, dims, interleaved in ((True, 256, 64, False), (False, 128, 128, True)):
+            layout = qk_norm_rope.HeadLayout(
+                24, 4, head_dim, gated, 1e-6, dims, 1e7, 1.0, interleaved
+            )
+            assert qk_norm_rope.available(layout, mx.bfloat16)
+    finally:
+        clear_caches(qk_norm_rope)
+
+
+def test_quest_page_keys_kernel_passes_its_probe(monkeypatch):
+    """The page keys of the 27B's heads (24 query, 4 KV heads of 256), shared and per head:
+    the op path's selection, bounds within fp32 rounding, forced and dead pages alike."""
+    emulate(monkeypatch, quest_select)
+    try:
+        assert quest.kernel_mismatch(24, 4, 256, mx.bfloat16, mx.bfloat16) is None
+    finally:
+        clear_caches(quest_select)
+
+
+@pytest.mark.parametrize("kind", ["solve", "scan"])
+def test_gdn_prefill_kernels_pass_their_probe(monkeypatch, kind):
+    """A chunk's solve and scan at the 27B's head widths (Dk = Dv = 128): within fp32
+    rounding of the op path."""
+    emulate(monkeypatch, gdn_prefill)
+    try:
+        assert gdn_prefill.probe(kind, 128, 128, 64) is None
+    finally:
+        clear_caches(gdn_prefill)
