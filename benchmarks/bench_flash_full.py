@@ -140,6 +140,18 @@ def timed_prefill(model, ids: list[int], chunk: int, kv: dict) -> tuple[float, o
     return len(ids) / (time.perf_counter() - t), state, last
 
 
+def decode_runs(args, model, state, first: int) -> tuple[list[float], list[list[int]]]:
+    """--runs timed decodes of --decode tokens from the --depth prompt (each rewinds to it):
+    (tok/s of each, tokens of each)."""
+    runs, tokens = [], []
+    for _ in range(args.runs):
+        tps, toks, _ = decode(model, state, first, args.decode)
+        runs.append(tps)
+        tokens.append(toks)
+        state.truncate(args.depth)
+    return runs, tokens
+
+
 def by_stride(args, model, state, first: int, want: list[int], bound: float) -> dict:
     """Decode tok/s (median of --runs) per hand-over stride: how often a step gives the
     layers built so far to the device (SequenceState.eager_layers; PLE's read-back of the
@@ -147,17 +159,12 @@ def by_stride(args, model, state, first: int, want: list[int], bound: float) -> 
     out = {}
     for stride in args.eager_layers.split(","):
         os.environ["QWEN38_EAGER_LAYERS"] = stride
-        runs, same = [], True
-        for _ in range(args.runs):
-            tps, toks, _ = decode(model, state, first, args.decode)
-            runs.append(tps)
-            same = same and toks == want
-            state.truncate(args.depth)
+        runs, tokens = decode_runs(args, model, state, first)
         median = statistics.median(runs)
         out[stride] = {
             "tokens_per_second": {"median": median, "runs": runs},
             "percent_of_bound": 100 * median / bound,
-            "identical_to_default": same,
+            "identical_to_default": all(t == want for t in tokens),
         }
         log(f"decode, hand-over stride {stride}: {median:.2f} tok/s")
     os.environ.pop("QWEN38_EAGER_LAYERS", None)
@@ -204,12 +211,7 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
         switch_step_kernels(model, chosen)
         decode(model, state, first, 2)  # decides and traces the steps again
         state.truncate(args.depth)
-        runs, tokens = [], []
-        for _ in range(args.runs):
-            tps, toks, _ = decode(model, state, first, args.decode)
-            runs.append(tps)
-            tokens.append(toks)
-            state.truncate(args.depth)
+        runs, tokens = decode_runs(args, model, state, first)
         layers = model.net.model.layers
         median = statistics.median(runs)
         out[variant] = {
@@ -333,12 +335,7 @@ def main() -> None:
     log(f"prefill {args.depth}: {tps:.1f} tok/s")
     first = greedy(last)
     state.save_point()
-    runs, outs = [], []
-    for _ in range(args.runs):
-        tps, toks, _ = decode(model, state, first, args.decode)
-        runs.append(tps)
-        outs.append(toks)
-        state.truncate(args.depth)
+    runs, outs = decode_runs(args, model, state, first)
     reads = bytes_per_token(model, state, args.depth, parts)
     median = statistics.median(runs)
     bound = bandwidth / reads["total"]

@@ -52,3 +52,44 @@ def recorded(module, *names: str):
     finally:
         for name, fn in real.items():
             setattr(module, name, fn)
+
+
+def random_moe(
+    hidden: int, n_experts: int, top_k: int, inter: int, seed: int, quantized: bool = True
+):
+    """A SparseMoE with random weights scaled by their fan-in (shared expert as wide as a
+    routed one), its experts 4-bit (groups of 64) unless not `quantized`."""
+    import mlx.core as mx
+
+    from qwen38_backend.models.moe import SparseMoE
+
+    moe = SparseMoE(hidden, n_experts, top_k, inter, inter)
+    keys = mx.random.split(mx.random.key(seed), 3)
+    shapes = ((n_experts, 2 * inter, hidden), (n_experts, hidden, inter))
+    moe.experts.gate_up_proj = hidden**-0.5 * mx.random.normal(shapes[0], key=keys[0])
+    moe.experts.down_proj = inter**-0.5 * mx.random.normal(shapes[1], key=keys[1])
+    moe.gate.weight = 1.6 * hidden**-0.5 * mx.random.normal((n_experts, hidden), key=keys[2])
+    if quantized:
+        moe.experts = moe.experts.to_quantized(group_size=64, bits=4)
+    return moe
+
+
+def random_gated_residual(hidden: int, streams: int, low_rank: int, eps: float, seed: int):
+    """A GatedResidual (hyper-connections) with random weights scaled by their fan-in, its
+    down and inject projections fused as after loading."""
+    import mlx.core as mx
+
+    from qwen38_backend.models.hyper_connections import GatedResidual
+
+    hc = GatedResidual(hidden, streams, low_rank, eps)
+    width = hidden * streams
+    keys = mx.random.split(mx.random.key(seed), 4)
+    hc.hc_norm.weight = 0.2 * mx.random.normal((width,), key=keys[0])
+    down = (low_rank, width)
+    hc.input_mix_weight_down.weight = width**-0.5 * mx.random.normal(down, key=keys[1])
+    up = (width, low_rank)
+    hc.input_mix_weight_up.weight = low_rank**-0.5 * mx.random.normal(up, key=keys[2])
+    inject = (streams, width)
+    hc.block_inject_weight.weight = width**-0.5 * mx.random.normal(inject, key=keys[3])
+    hc.fuse()
+    return hc

@@ -7,20 +7,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import random_moe
 from qwen38_backend.kernels import expert_qmv as kernel
 
 from qwen38_backend.models.moe import SparseMoE
 
 
 def _moe(quantized: bool = True) -> SparseMoE:
-    moe = SparseMoE(256, 8, 3, 128, 64)
-    keys = mx.random.split(mx.random.key(2), 3)
-    moe.experts.gate_up_proj = 0.06 * mx.random.normal((8, 256, 256), key=keys[0])
-    moe.experts.down_proj = 0.09 * mx.random.normal((8, 256, 128), key=keys[1])
-    moe.gate.weight = 0.1 * mx.random.normal((8, 256), key=keys[2])
-    if quantized:
-        moe.experts = moe.experts.to_quantized(group_size=64, bits=4)
-    return moe
+    return random_moe(256, 8, 3, 128, seed=2, quantized=quantized)
 
 
 def _kernel_model(x, inds, weights, experts) -> np.ndarray:

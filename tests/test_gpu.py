@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import random_gated_residual, random_moe
 
 pytestmark = pytest.mark.gpu
 
@@ -687,19 +688,12 @@ def test_expert_kernels_match_the_op_path(dtype, monkeypatch):
     kernels once they are switched on, its output close to the op path's."""
     from qwen38_backend.kernels import expert_qmv as kernel
 
-    from qwen38_backend.models.moe import SparseMoE
-
     monkeypatch.setenv("QWEN38_EXPERT_KERNEL", "auto")  # off by default until measured
     kernel.available.cache_clear()
     assert kernel.available(2560, 640, 64, 10, 64, dtype)
-    moe = SparseMoE(2560, 64, 10, 640, 640)
-    keys = mx.random.split(mx.random.key(9), 4)
-    moe.experts.gate_up_proj = 0.02 * mx.random.normal((64, 1280, 2560), key=keys[0])
-    moe.experts.down_proj = 0.04 * mx.random.normal((64, 2560, 640), key=keys[1])
-    moe.gate.weight = 0.02 * mx.random.normal((64, 2560), key=keys[2])
-    moe.experts = moe.experts.to_quantized(group_size=64, bits=4)
+    moe = random_moe(2560, 64, 10, 640, seed=9)
     moe.set_dtype(dtype)
-    x = mx.random.normal((5, 2560), key=keys[3]).astype(dtype)
+    x = mx.random.normal((5, 2560), key=mx.random.key(3)).astype(dtype)
     inds, weights = moe.route(x)
     e = moe.experts
     got = kernel.routed_sum(x, inds, weights, e.gate_up_proj, e.down_proj, 64)
@@ -795,7 +789,7 @@ def test_stream_mix_kernels_match_the_op_path(dtype, monkeypatch):
     from qwen38_backend.kernels import stream_mix as kernel
     from qwen38_backend.kernels.qk_norm_rope import within_ulps
 
-    from qwen38_backend.models.hyper_connections import GatedResidual, stream_mean
+    from qwen38_backend.models.hyper_connections import stream_mean
 
     monkeypatch.setenv("QWEN38_STREAM_KERNEL", "auto")  # off by default until measured
     kernel.available.cache_clear()
@@ -824,13 +818,7 @@ def test_stream_mix_kernels_match_the_op_path(dtype, monkeypatch):
             )
             for a, g in zip(one, got, strict=True):
                 assert mx.array_equal(a, g[t : t + 1]).item(), t
-    hc = GatedResidual(2560, 4, 320, 1e-6)
-    keys = mx.random.split(mx.random.key(3), 4)
-    hc.hc_norm.weight = 0.2 * mx.random.normal((width,), key=keys[0])
-    hc.input_mix_weight_down.weight = 0.02 * mx.random.normal((320, width), key=keys[1])
-    hc.input_mix_weight_up.weight = 0.1 * mx.random.normal((width, 320), key=keys[2])
-    hc.block_inject_weight.weight = 0.02 * mx.random.normal((4, width), key=keys[3])
-    hc.fuse()
+    hc = random_gated_residual(2560, 4, 320, 1e-6, seed=3)
     hc.set_dtype(dtype)
     R = (2 * mx.random.normal((3, width), key=mx.random.key(4))).astype(dtype)
     op_x, op_inj = hc.open(R)

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from cuda_emulator import clear_caches, emulate
+from helpers import random_gated_residual, random_moe
 from qwen38_backend.kernels import (
     decode_attention,
     expert_qmv,
@@ -28,8 +29,8 @@ from qwen38_backend.kernels import (
 from qwen38_backend.kernels.qk_norm_rope import within_ulps
 
 from qwen38_backend.kv import quest
-from qwen38_backend.models.hyper_connections import GatedResidual, stream_mean
-from qwen38_backend.models.moe import QuantizedExperts, SparseMoE, route, weighted_experts
+from qwen38_backend.models.hyper_connections import stream_mean
+from qwen38_backend.models.moe import QuantizedExperts, route, weighted_experts
 
 MODULES = (moe_route, stream_mix, expert_qmv)
 
@@ -80,16 +81,11 @@ def test_stream_mix_kernels_match_the_gated_residual(emulated, dtype):
     block input (after a product of normed rows)."""
     hidden, streams, low_rank, eps = 64, 4, 16, 1e-6
     assert stream_mix.available(hidden, streams, low_rank, eps, dtype)
-    hc = GatedResidual(hidden, streams, low_rank, eps)
-    width = hidden * streams
-    keys = mx.random.split(mx.random.key(5), 5)
-    hc.hc_norm.weight = 0.2 * mx.random.normal((width,), key=keys[0])
-    hc.input_mix_weight_down.weight = 0.1 * mx.random.normal((low_rank, width), key=keys[1])
-    hc.input_mix_weight_up.weight = 0.3 * mx.random.normal((width, low_rank), key=keys[2])
-    hc.block_inject_weight.weight = 0.1 * mx.random.normal((streams, width), key=keys[3])
-    hc.fuse()
+    hc = random_gated_residual(hidden, streams, low_rank, eps, seed=5)
     hc.set_dtype(dtype)
-    R = (2 * mx.random.normal((3, width), key=keys[4])).astype(dtype)
+    width = hidden * streams
+    keys = mx.random.split(mx.random.key(6), 2)
+    R = (2 * mx.random.normal((3, width), key=keys[1])).astype(dtype)
     want_x, want_inj = hc.open(R)
     hc.prepare_decode(dtype)
     assert hc._kernels(R) is not None
@@ -123,14 +119,9 @@ def test_expert_kernels_match_an_fp32_reference(emulated, monkeypatch):
     off, so the probe's bf16 comparison cannot pass here: kernels/expert_qmv.py); the
     shared expert's gated output is added in the last launch as the ops add it; a SparseMoE
     step with the routing and expert kernels forced on is as close."""
-    moe = SparseMoE(256, 8, 3, 128, 64)
-    keys = mx.random.split(mx.random.key(2), 4)
-    moe.experts.gate_up_proj = 0.06 * mx.random.normal((8, 256, 256), key=keys[0])
-    moe.experts.down_proj = 0.09 * mx.random.normal((8, 256, 128), key=keys[1])
-    moe.gate.weight = 0.1 * mx.random.normal((8, 256), key=keys[2])
-    moe.experts = moe.experts.to_quantized(group_size=64, bits=4)
+    moe = random_moe(256, 8, 3, 128, seed=2)
     moe.set_dtype(mx.bfloat16)
-    x = mx.random.normal((4, 256), key=keys[3]).astype(mx.bfloat16)
+    x = mx.random.normal((4, 256), key=mx.random.key(3)).astype(mx.bfloat16)
     inds, weights = moe.route(x)
     e = moe.experts
     got = expert_qmv.routed_sum(x, inds, weights, e.gate_up_proj, e.down_proj, 64)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from helpers import random_gated_residual
 from qwen38_backend.kernels import stream_mix as kernel
 
 from qwen38_backend.models.hyper_connections import GatedResidual, gate_down
@@ -15,15 +16,7 @@ HIDDEN, STREAMS, LOW_RANK, EPS = 32, 4, 8, 1e-6
 
 
 def _residual() -> GatedResidual:
-    hc = GatedResidual(HIDDEN, STREAMS, LOW_RANK, EPS)
-    width = HIDDEN * STREAMS
-    keys = mx.random.split(mx.random.key(8), 4)
-    hc.hc_norm.weight = 0.2 * mx.random.normal((width,), key=keys[0])
-    hc.input_mix_weight_down.weight = 0.1 * mx.random.normal((LOW_RANK, width), key=keys[1])
-    hc.input_mix_weight_up.weight = 0.3 * mx.random.normal((width, LOW_RANK), key=keys[2])
-    hc.block_inject_weight.weight = 0.1 * mx.random.normal((STREAMS, width), key=keys[3])
-    hc.fuse()
-    return hc
+    return random_gated_residual(HIDDEN, STREAMS, LOW_RANK, EPS, seed=8)
 
 
 def test_the_reference_is_the_layers_op_path():
