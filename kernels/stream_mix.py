@@ -1,5 +1,6 @@
 """Flash-Next's stream mixes (models/hyper_connections.GatedResidual.open / read) for the few
-rows of a step on CUDA: three launches around its two products instead of about ten.
+rows of a step on CUDA: three launches around its two products instead of about ten, and
+the close before a gated residual in the same launch as its norm.
 
 Why: a gated residual opens every mixer and every MoE of a Flash-Next layer. On the op path
 its grouped norm is a cast, MLX's rms_norm and a scale-and-cast; the low-rank gates two
@@ -18,8 +19,11 @@ The launches, each of T (the streams' half or single precision) in and out:
   elementwise ops round.
 - `mix`: x[h] = mean over streams s of sigmoid(up[s H + h]) * normed[s H + h], the sum
   over the streams in order, then times 1 / S rounded to T (as mx.mean scales).
+- `closed_norm`: `norm` of the streams closed with the block before (x + inj[s] * out, each
+  op rounded to T as GatedResidual.close's ops round), which it also stores: a layer's
+  mixer close and its MoE's norm in one launch.
 Every row is computed alone, so a verify's rows equal plain steps. `available()` probes the
-three against the op path once per shape and dtype (within `tolerance(T)` ulps of T: two
+launches against the op path once per shape and dtype (within `tolerance(T)` ulps of T: two
 in half precision, where the roundings to T hide the order of fp32 sums, 64 in fp32, where
 they do not; rows equal to one-row launches). Off by default (QWEN38_STREAM_KERNEL=auto
 turns it on) until an H200 run has measured it.
@@ -37,6 +41,7 @@ from qwen38_backend.models.hyper_connections import (
     GroupedRMSNorm,
     gate_down,
     gate_inject,
+    stream_close,
     stream_mean,
 )
 
@@ -47,15 +52,19 @@ from .switch import switched
 THREADS = 256
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# Block b: row t = b / S, stream s = b % S; template H (a stream's width), S.
+# Block b: row t = b / S, stream s = b % S; template H (a stream's width), S. __VALUE__ is
+# element i of the stream as the norm reads it (x's, or with CLOSED the closed stream's:
+# x + inj[s] * out, each op rounded to T, also stored in `closed` by __KEEP__).
 _NORM = """
     constexpr int WARPS = __THREADS__ / 32;
     const int t = blockIdx.x / S, s = blockIdx.x % S;
     const long long base = (long long)t * S * H + (long long)s * H;
+    auto value = [&](int i) -> float { __VALUE__ };
     __shared__ float parts[WARPS];
     float ss = 0.0f;
     for (int i = threadIdx.x; i < H; i += __THREADS__) {
-        const float v = static_cast<float>(x[base + i]);
+        const float v = value(i);
+        __KEEP__
         ss = fmaf(v, v, ss);
     }
 #pragma unroll
@@ -67,11 +76,20 @@ _NORM = """
     for (int w = 1; w < WARPS; ++w) total += parts[w];
     const float inv = rsqrtf(total / static_cast<float>(H) + __EPS__);
     for (int i = threadIdx.x; i < H; i += __THREADS__) {
-        const float v = static_cast<float>(x[base + i]);
         const float scale = 1.0f + static_cast<float>(weight[(long long)s * H + i]);
-        y[base + i] = static_cast<T>((v * inv) * scale);
+        y[base + i] = static_cast<T>((value(i) * inv) * scale);
     }
 """
+_VALUES = {
+    False: ("return static_cast<float>(x[base + i]);", ""),
+    True: (
+        """const T add = static_cast<T>(static_cast<float>(inj[(long long)t * S + s]) *
+                                     static_cast<float>(out[(long long)t * H + i]));
+        return static_cast<float>(static_cast<T>(static_cast<float>(x[base + i]) +
+                                                 static_cast<float>(add)));""",
+        "closed[base + i] = static_cast<T>(v);",
+    ),
+}
 
 # Thread i of the grid: element i of [rows, L + INJ]; template L (low rank), S, INJ (S where
 # the residual injects, else 0).
@@ -110,13 +128,17 @@ _MIX = """
 
 
 @functools.cache
-def _norm_kernel(eps: float):
+def _norm_kernel(eps: float, closes: bool = False):
+    """The norm; `closes`: of the closed streams x + inj * out, which it also stores."""
+    value, keep = _VALUES[closes]
+    source = _NORM.replace("__VALUE__", value).replace("__KEEP__", keep)
     return cuda_kernel(
         # one kernel per eps (MLX caches compiled kernels by name): its fp32 bits
-        name=f"qwen38_streams_norm_{np.float32(eps).view(np.uint32).item():08x}",
-        input_names=["x", "weight"],
-        output_names=["y"],
-        source=_NORM.replace("__THREADS__", str(THREADS)).replace("__EPS__", float32_literal(eps)),
+        name=f"qwen38_streams_{'closed_' if closes else ''}norm_"
+        f"{np.float32(eps).view(np.uint32).item():08x}",
+        input_names=["x", "weight"] + (["inj", "out"] if closes else []),
+        output_names=["y", "closed"] if closes else ["y"],
+        source=source.replace("__THREADS__", str(THREADS)).replace("__EPS__", float32_literal(eps)),
     )
 
 
@@ -157,6 +179,23 @@ def norm(x: mx.array, weight: mx.array, streams: int, eps: float) -> mx.array:
         output_dtypes=[x.dtype],
     )
     return y
+
+
+def closed_norm(
+    x: mx.array, inj: mx.array, out: mx.array, weight: mx.array, streams: int, eps: float
+) -> tuple[mx.array, mx.array]:
+    """(the closed streams x + inj[s] * out [T, S * H] as GatedResidual.close computes them,
+    their norm as `norm` computes it) in one launch: inj [T, S], out [T, H]."""
+    rows, width = x.shape
+    y, closed = _norm_kernel(eps, True)(
+        inputs=[x, weight, inj, out],
+        template=[("T", x.dtype), ("H", width // streams), ("S", streams)],
+        grid=(rows * streams * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[x.shape, x.shape],
+        output_dtypes=[x.dtype, x.dtype],
+    )
+    return closed, y
 
 
 def gates(y: mx.array, low_rank: int, streams: int, inject: bool) -> tuple:
@@ -201,48 +240,59 @@ def supported() -> bool:
 
 
 def reference(
-    x: mx.array, weight: mx.array, y: mx.array, up: mx.array, streams: int, low_rank: int, eps
+    x: mx.array,
+    weight: mx.array,
+    y: mx.array,
+    up: mx.array,
+    out: mx.array,
+    streams: int,
+    low_rank: int,
+    eps: float,
 ) -> tuple[mx.array, ...]:
-    """The op path's outputs for the three launches' (GatedResidual's own pieces): the
-    normed rows of x, the gates of the fused product's rows y, and the mix of up with the
-    normed rows."""
+    """The op path's outputs for the launches' (GatedResidual's own pieces): the normed
+    rows of x, the gates of the fused product's rows y, the mix of up with the normed rows,
+    and the streams x closed with the block output `out` and those gates' inject weights."""
     hc_norm = GroupedRMSNorm(x.shape[1], x.shape[1] // streams, eps)
     hc_norm.weight = weight
     normed = hc_norm(x)
     down, inject = y[:, :low_rank], y[:, low_rank:]
+    inj = gate_inject(inject, streams)
     return (
         normed,
         gate_down(down, streams),
-        gate_inject(inject, streams),
+        inj,
         stream_mean(up, normed, streams),
+        stream_close(x, inj, out),
     )
 
 
 @functools.cache
 def available(hidden: int, streams: int, low_rank: int, eps: float, dtype: mx.Dtype) -> bool:
-    """True when the three kernels run here, each row equals a one-row launch bit for bit,
+    """True when the kernels run here, each row equals a one-row launch bit for bit,
     and each output is within tolerance(dtype) ulps of the op path (GatedResidual's ops) on
     random rows of this shape (probed once per shape and dtype); else False, warning why.
     QWEN38_STREAM_KERNEL: off (the default, until measured) | auto | force (no probe)."""
     decided = switched("QWEN38_STREAM_KERNEL", lambda: dtype in DTYPES and supported(), "off")
     if decided is not None:
         return decided
-    keys = mx.random.split(mx.random.key(41), 4)
+    keys = mx.random.split(mx.random.key(41), 5)
     rows, width = 5, hidden * streams
     x = (3 * mx.random.normal((rows, width), key=keys[0])).astype(dtype)
     weight = (0.2 * mx.random.normal((width,), key=keys[1])).astype(dtype)
     y = (2 * mx.random.normal((rows, low_rank + streams), key=keys[2])).astype(dtype)
     up = (2 * mx.random.normal((rows, width), key=keys[3])).astype(dtype)
+    out = (2 * mx.random.normal((rows, hidden), key=keys[4])).astype(dtype)
 
     def launches(t: slice) -> tuple[mx.array, ...]:
         normed = norm(x[t], weight, streams, eps)
         silu, inj = gates(y[t], low_rank, streams, True)
-        return normed, silu, inj, mix(up[t], normed, streams)
+        closed, closed_normed = closed_norm(x[t], inj, out[t], weight, streams, eps)
+        return normed, silu, inj, mix(up[t], normed, streams), closed, closed_normed
 
     try:
         got = launches(slice(0, rows))
         alone = [launches(slice(t, t + 1)) for t in range(rows)]
-        want = reference(x, weight, y, up, streams, low_rank, eps)
+        want = reference(x, weight, y, up, out, streams, low_rank, eps)
         mx.eval(got, alone, want)
     except Exception as e:  # noqa: BLE001 - any failure means: the op path runs
         warnings.warn(f"stream-mix kernels unavailable ({e}); using the op path", stacklevel=2)
@@ -253,10 +303,11 @@ def available(hidden: int, streams: int, low_rank: int, eps: float, dtype: mx.Dt
         for g, a in zip(got, part, strict=True)
     )
     # the mix against the op path's on the kernel's own normed rows (the norm's ulps
-    # would carry into it)
-    want = (*want[:3], stream_mean(up, got[0], streams))
+    # would carry into it); the closed streams' norm is the norm kernel's, bit for bit
+    want = (*want[:3], stream_mean(up, got[0], streams), want[4])
     ulps = tolerance(dtype)
-    close = all(within_ulps(g, w, ulps) for g, w in zip(got, want, strict=True))
+    close = all(within_ulps(g, w, ulps) for g, w in zip(got[:5], want, strict=True))
+    close = close and mx.array_equal(got[5], norm(got[4], weight, streams, eps)).item()
     if not (same_rows and close):
         warnings.warn(
             f"stream-mix kernels disagree (rows equal to one-row launches: {same_rows}, "

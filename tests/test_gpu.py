@@ -804,9 +804,13 @@ def test_stream_mix_kernels_match_the_op_path(dtype, monkeypatch):
         normed = kernel.norm(x, weight, 4, 1e-6)
         gate, inj = kernel.gates(y, 320, 4, True)
         mixed = kernel.mix(up, normed, 4)
-        want = kernel.reference(x, weight, y, up, 4, 320, 1e-6)
-        got = (normed, gate, inj, mixed)
-        for g, w in zip(got, (*want[:3], stream_mean(up, normed, 4)), strict=True):
+        out = (2 * mx.random.normal((rows, 2560), key=keys[1])).astype(dtype)
+        want = kernel.reference(x, weight, y, up, out, 4, 320, 1e-6)
+        closed, closed_normed = kernel.closed_norm(x, inj, out, weight, 4, 1e-6)
+        assert mx.array_equal(closed_normed, kernel.norm(closed, weight, 4, 1e-6)).item()
+        got = (normed, gate, inj, mixed, closed)
+        mine = (*want[:3], stream_mean(up, normed, 4), want[4])
+        for g, w in zip(got, mine, strict=True):
             assert within_ulps(g, w, kernel.tolerance(dtype))
             if dtype != mx.float32:  # a normaliser an fp32 ulp apart seldom moves a half
                 assert mx.mean((g == w).astype(mx.float32)).item() > 0.99
@@ -815,6 +819,9 @@ def test_stream_mix_kernels_match_the_op_path(dtype, monkeypatch):
                 kernel.norm(x[t : t + 1], weight, 4, 1e-6),
                 *kernel.gates(y[t : t + 1], 320, 4, True),
                 kernel.mix(up[t : t + 1], normed[t : t + 1], 4),
+                kernel.closed_norm(x[t : t + 1], inj[t : t + 1], out[t : t + 1], weight, 4, 1e-6)[
+                    0
+                ],
             )
             for a, g in zip(one, got, strict=True):
                 assert mx.array_equal(a, g[t : t + 1]).item(), t

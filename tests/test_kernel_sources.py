@@ -280,6 +280,7 @@ def test_moe_route_compiles(recorded, tmp_path, dtype, normalize):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_stream_mix_compiles(recorded, tmp_path, dtype):
     stream_mix._norm_kernel(1e-6)
+    stream_mix._norm_kernel(1e-6, True)
     stream_mix._gates_kernel(True)
     stream_mix._gates_kernel(False)
     stream_mix._mix_kernel()

@@ -78,7 +78,8 @@ def test_routing_kernel_refuses_a_wrong_answer(emulated, monkeypatch):
 def test_stream_mix_kernels_match_the_gated_residual(emulated, dtype):
     """The probe passes; a GatedResidual's open with the kernels is within the kernels'
     tolerance of its op path (the normaliser's sums in another order), twice that for the
-    block input (after a product of normed rows)."""
+    block input (after a product of normed rows); its close in one launch with the next
+    residual's norm: the close within tolerance, the norm the norm kernel's bit for bit."""
     hidden, streams, low_rank, eps = 64, 4, 16, 1e-6
     assert stream_mix.available(hidden, streams, low_rank, eps, dtype)
     hc = random_gated_residual(hidden, streams, low_rank, eps, seed=5)
@@ -93,6 +94,13 @@ def test_stream_mix_kernels_match_the_gated_residual(emulated, dtype):
     ulps = stream_mix.tolerance(dtype)
     assert within_ulps(inj, want_inj, ulps)
     assert within_ulps(x, want_x, 2 * ulps)
+    out = (2 * mx.random.normal((3, hidden), key=keys[0])).astype(dtype)
+    then = random_gated_residual(hidden, streams, low_rank, eps, seed=7)
+    then.set_dtype(dtype)
+    then.prepare_decode(dtype)
+    closed, then_normed = hc.close_then_norm(R, inj, out, then)
+    assert within_ulps(closed, hc.close(R, inj, out), ulps)
+    assert mx.array_equal(then_normed, stream_mix.norm(closed, then.hc_norm.weight, 4, eps)).item()
     normed = stream_mix.norm(R, hc.hc_norm.weight, streams, eps)
     up = (2 * mx.random.normal((3, width), key=keys[0])).astype(dtype)
     assert within_ulps(stream_mix.mix(up, normed, streams), stream_mean(up, normed, streams), ulps)

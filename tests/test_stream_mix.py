@@ -20,19 +20,23 @@ def _residual() -> GatedResidual:
 
 
 def test_the_reference_is_the_layers_op_path():
-    """open() on the op path == the reference's pieces chained as open chains them."""
+    """open() and close() on the op path == the reference's pieces chained as they chain
+    them."""
     hc = _residual()
     R = 2 * mx.random.normal((3, HIDDEN * STREAMS), key=mx.random.key(1))
     x, inj = hc.open(R)
     normed = hc.hc_norm(R)
     y = hc.down_inject_proj(normed)
     up = hc.input_mix_weight_up(gate_down(y[:, :LOW_RANK], STREAMS))
-    want_normed, _, want_inj, want_x = kernel.reference(
-        R, hc.hc_norm.weight, y, up, STREAMS, LOW_RANK, EPS
-    )
-    assert mx.array_equal(normed, want_normed).item()
-    assert mx.array_equal(inj, want_inj).item()
-    assert mx.array_equal(x, want_x).item()
+    out = mx.random.normal((3, HIDDEN), key=mx.random.key(2))
+    want = kernel.reference(R, hc.hc_norm.weight, y, up, out, STREAMS, LOW_RANK, EPS)
+    assert mx.array_equal(normed, want[0]).item()
+    assert mx.array_equal(inj, want[2]).item()
+    assert mx.array_equal(x, want[3]).item()
+    assert mx.array_equal(hc.close(R, inj, out), want[4]).item()
+    closed, then_normed = hc.close_then_norm(R, inj, out, _residual())
+    assert then_normed is None  # the kernels are off: the next open norms it
+    assert mx.array_equal(closed, want[4]).item()
 
 
 @pytest.mark.parametrize("value", [None, "auto", "off"])

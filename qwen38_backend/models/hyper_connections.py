@@ -47,6 +47,14 @@ def stream_mean(up: mx.array, normed: mx.array, streams: int) -> mx.array:
     return (mx.sigmoid(up) * normed).reshape(*up.shape[:-1], streams, -1).mean(axis=-2)
 
 
+def stream_close(R: mx.array, inj: mx.array, out: mx.array) -> mx.array:
+    """R + inj[s] * out on every stream s (added to the un-normed R): [T, S * H]."""
+    add = (inj[..., :, None] * out[..., None, :]).astype(R.dtype)
+    # added per stream before the reshape: the product and the sum fuse (one kernel)
+    streams = R.reshape(add.shape)
+    return (streams + add).reshape(R.shape)
+
+
 class GatedResidual(nn.Module):
     """`hc_norm`, `input_mix_weight_down/up`, and `block_inject_weight` unless read-only."""
 
@@ -117,10 +125,12 @@ class GatedResidual(nn.Module):
             gate, _ = kernels.gates(down, self.lowrank, self.hc_count, False)
         return self._mixed(normed, gate, kernels)
 
-    def open(self, R: mx.array) -> tuple[mx.array, mx.array]:
-        """(block input x [T, hidden], inject weights inj [T, hc]): what precedes the block."""
+    def open(self, R: mx.array, normed: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """(block input x [T, hidden], inject weights inj [T, hc]): what precedes the block;
+        `normed`: R's normed streams where the close before computed them."""
         kernels = self._kernels(R)
-        normed = self._norm(R, kernels)
+        if normed is None:
+            normed = self._norm(R, kernels)
         if "down_inject_proj" in self:
             down_inject = per_row(self.down_inject_proj, normed)
             if kernels is not None:
@@ -135,13 +145,23 @@ class GatedResidual(nn.Module):
 
     def close(self, R: mx.array, inj: mx.array, out: mx.array) -> mx.array:
         """R + inj[s] * out on every stream s (added to the un-normed R)."""
-        add = (inj[..., :, None] * out[..., None, :]).astype(R.dtype)
-        # added per stream before the reshape: the product and the sum fuse (one kernel)
-        streams = R.reshape(add.shape)
-        return (streams + add).reshape(R.shape)
+        return stream_close(R, inj, out)
 
-    def __call__(self, R: mx.array, block) -> mx.array:
+    def close_then_norm(
+        self, R: mx.array, inj: mx.array, out: mx.array, then: GatedResidual
+    ) -> tuple[mx.array, mx.array | None]:
+        """(close(R, inj, out), `then`'s normed streams of it) in one launch where both take
+        the stream kernels (kernels/stream_mix.py), else (the close, None: `then` norms it
+        when it opens)."""
+        kernels = self._kernels(R) and then._kernels(R)
+        if kernels is None:
+            return self.close(R, inj, out), None
+        norm = then.hc_norm
+        return kernels.closed_norm(R, inj, out, norm.weight, self.hc_count, norm.eps)
+
+    def __call__(self, R: mx.array, block, normed: mx.array | None = None) -> mx.array:
         """R + inj[s] * block(x) on every stream s; open and close split it for a caller
-        that runs the block apart (QSA's decode step compiles each side)."""
-        x, inj = self.open(R)
+        that runs the block apart (QSA's decode step compiles each side); `normed`: as
+        open takes it."""
+        x, inj = self.open(R, normed)
         return self.close(R, inj, block(x))

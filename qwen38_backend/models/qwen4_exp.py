@@ -210,19 +210,19 @@ class Qwen4ExpBlock(nn.Module):
         return (inj, qi, raw, *self.self_attn.project_qkv(x, offset))
 
     def _attention_out(self, R: mx.array, inj: mx.array, out: mx.array, gate: mx.array):
-        R = self.attn_hyper_connection.close(R, inj, self.self_attn.output(out, gate))
-        return self.mlp_hyper_connection(R, self.mlp)
+        return self._moe_step(R, inj, self.self_attn.output(out, gate))
 
     def _linear_step(self, R: mx.array, conv: mx.array, recurrent: mx.array):
-        new: list[mx.array] = []
+        x, inj = self.attn_hyper_connection.open(R)
+        out, *new = self.linear_attn.step(x, conv, recurrent)
+        return self._moe_step(R, inj, out), *new
 
-        def mixer(x: mx.array) -> mx.array:
-            out, *rows = self.linear_attn.step(x, conv, recurrent)
-            new.extend(rows)
-            return out
-
-        R = self.attn_hyper_connection(R, mixer)
-        return self.mlp_hyper_connection(R, self.mlp), *new
+    def _moe_step(self, R: mx.array, inj: mx.array, out: mx.array) -> mx.array:
+        """A step's mixer close and its MoE with both stream mixes (the close and the MoE's
+        norm in one launch where the stream kernels run)."""
+        hc = self.attn_hyper_connection
+        R, normed = hc.close_then_norm(R, inj, out, self.mlp_hyper_connection)
+        return self.mlp_hyper_connection(R, self.mlp, normed)
 
 
 class Qwen4ExpBody(nn.Module):
