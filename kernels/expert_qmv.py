@@ -25,6 +25,7 @@ import functools
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from qwen38_backend.models.moe import Experts, QuantizedExperts, weighted_experts
 
@@ -64,28 +65,52 @@ __device__ __forceinline__ float dot(
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   return acc;
 }
+// A half-precision row (the shared expert's) against fp32 values in shared memory: a lane's
+// 16-byte chunks of the row at lane, lane + 32, ..., then the same butterfly.
+template <typename T, int K>
+__device__ __forceinline__ float dense_dot(const T* row, const float* xs, int lane) {
+  constexpr int E = 16 / sizeof(T), CHUNKS = K / E;
+  float acc = 0.0f;
+  for (int c = lane; c < CHUNKS; c += 32) {
+    const uint4 u = reinterpret_cast<const uint4*>(row)[c];
+    const T* v = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc = fmaf(xs[c * E + i], static_cast<float>(v[i]), acc);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
 }  // namespace qwen38_experts
 """
 
 # Template constants: T (x's and the scales' dtype), H (hidden), I (intermediate), G (group
-# size), KT (experts per row). Block (blockIdx.x, pair p = blockIdx.y): warp w takes output
-# n = blockIdx.x * WARPS + w of pair p (row p / KT's expert inds[p]): its gate row n and up
-# row I + n, stored as silu(gate) * up rounded as MLX's ops round (each in T).
+# size), KT (experts per row), PAIRS (KT, or KT + 1 where the shared expert runs here too:
+# its pair last, its dense gate / up rows from `shared_gate_up`). Block (blockIdx.x, pair
+# p = blockIdx.y): warp w takes output n = blockIdx.x * WARPS + w of pair j = p % PAIRS of
+# row p / PAIRS (expert inds[row][j]): its gate row n and up row I + n, stored as
+# silu(gate) * up rounded as MLX's ops round (each in T).
 _UP = """
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int p = blockIdx.y, t = p / KT;
+    const int p = blockIdx.y, t = p / PAIRS, j = p % PAIRS;
     const int n = blockIdx.x * __WARPS__ + warp;
     __shared__ __align__(16) float xs[H];
     for (int i = threadIdx.x; i < H; i += __THREADS__) xs[i] = static_cast<float>(x[t * H + i]);
     __syncthreads();
     if (n >= I) return;
-    const long long e = inds[p];
-    constexpr int WORDS = H / 8, GROUPS = H / G;
-    const long long gate_row = e * 2 * I + n, up_row = gate_row + I;
-    const float gate_sum = qwen38_experts::dot<T, H, G>(
-        w + gate_row * WORDS, scales + gate_row * GROUPS, biases + gate_row * GROUPS, xs, lane);
-    const float up_sum = qwen38_experts::dot<T, H, G>(
-        w + up_row * WORDS, scales + up_row * GROUPS, biases + up_row * GROUPS, xs, lane);
+    float gate_sum, up_sum;
+    if (j < KT) {
+        const long long e = inds[t * KT + j];
+        constexpr int WORDS = H / 8, GROUPS = H / G;
+        const long long gate_row = e * 2 * I + n, up_row = gate_row + I;
+        gate_sum = qwen38_experts::dot<T, H, G>(
+            w + gate_row * WORDS, scales + gate_row * GROUPS, biases + gate_row * GROUPS, xs,
+            lane);
+        up_sum = qwen38_experts::dot<T, H, G>(
+            w + up_row * WORDS, scales + up_row * GROUPS, biases + up_row * GROUPS, xs, lane);
+    } else {
+        __SHARED_UP__
+    }
     if (lane == 0) {
         const T gate = T(gate_sum), up = T(up_sum);
         const T sig = T(1.0f / (1.0f + expf(-static_cast<float>(gate))));
@@ -94,16 +119,23 @@ _UP = """
     }
 """
 
+# The shared expert's pair in the up kernel: its dense gate row n and up row I + n.
+_SHARED_UP = """
+        const T* gate_row = shared_gate_up + (long long)n * H;
+        gate_sum = qwen38_experts::dense_dot<T, H>(gate_row, xs, lane);
+        up_sum = qwen38_experts::dense_dot<T, H>(gate_row + (long long)I * H, xs, lane);"""
+
 # Block (blockIdx.x, row t = blockIdx.y): warp w takes output n = blockIdx.x * WARPS + w: each
 # of the row's KT experts' down row n (product rounded to T, times its routing weight rounded
-# to T, as `routed * weights` in T), summed over the experts in order in fp32, stored as T.
+# to T, as `routed * weights` in T), summed over the experts in order in fp32, stored as T
+# (__STORE__: with the shared expert's output added where it is given or runs here).
 _DOWN = """
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int t = blockIdx.y;
     const int n = blockIdx.x * __WARPS__ + warp;
-    __shared__ __align__(16) float hs[KT * I];
-    for (int i = threadIdx.x; i < KT * I; i += __THREADS__)
-        hs[i] = static_cast<float>(h[(long long)t * KT * I + i]);
+    __shared__ __align__(16) float hs[PAIRS * I];
+    for (int i = threadIdx.x; i < PAIRS * I; i += __THREADS__)
+        hs[i] = static_cast<float>(h[(long long)t * PAIRS * I + i]);
     __syncthreads();
     if (n >= H) return;
     constexpr int WORDS = I / 8, GROUPS = I / G;
@@ -116,18 +148,31 @@ _DOWN = """
         const T y = T(sum), wt = T(weights[t * KT + j]);
         total += static_cast<float>(T(static_cast<float>(y) * static_cast<float>(wt)));
     }
+    __SHARED_DOWN__
     if (lane == 0) {
         const long long i = (long long)t * H + n;
         __STORE__
     }
 """
-# How the down kernel stores output i: the routed sum alone, or with the shared expert's
-# gated output added as SparseMoE's ops add it (routed + sigmoid(gate) * shared, each op
-# MLX's own device op in T, so the bits are the ops')
+# How the down kernel stores output i, by where the shared expert's output comes from: none
+# (the routed sum alone); "values" given; "weights": its down row n of the shared pair's
+# activations, here. Added as SparseMoE's ops add it (routed + sigmoid(gate) * shared, each
+# op MLX's own device op in T, so the bits are the ops').
+_ADD_SHARED = """using namespace mlx::core::cu;
+        out[i] = Add{}(T(total), Multiply{}(Sigmoid{}(shared_gate[t]), __SHARED__));"""
 STORES = {
-    False: "out[i] = T(total);",
-    True: """using namespace mlx::core::cu;
-        out[i] = Add{}(T(total), Multiply{}(Sigmoid{}(shared_gate[t]), shared[i]));""",
+    "": "out[i] = T(total);",
+    "values": _ADD_SHARED.replace("__SHARED__", "shared[i]"),
+    "weights": _ADD_SHARED.replace("__SHARED__", "T(shared_sum)"),
+}
+_SHARED_DOWN = {
+    "weights": "const float shared_sum = qwen38_experts::dense_dot<T, I>(\n"
+    "        shared_down + (long long)n * I, hs + KT * I, lane);",
+}
+SHARED_INPUTS = {
+    "": [],
+    "values": ["shared", "shared_gate"],
+    "weights": ["shared_gate", "shared_gate_up", "shared_down"],
 }
 MLX_OPS = (
     '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
@@ -140,25 +185,29 @@ def _source(body: str) -> str:
 
 
 @functools.cache
-def _up_kernel():
+def _up_kernel(shared: str = ""):
+    """The up kernel; `shared` "weights": with the shared expert's pair last."""
     return cuda_kernel(
-        name="qwen38_experts_up",
-        input_names=["x", "inds", "w", "scales", "biases"],
+        name="qwen38_experts_up" + ("_shared" if shared == "weights" else ""),
+        input_names=["x", "inds", "w", "scales", "biases"]
+        + (["shared_gate_up"] if shared == "weights" else []),
         output_names=["h"],
-        source=_source(_UP),
+        source=_source(_UP).replace("__SHARED_UP__", _SHARED_UP if shared == "weights" else ""),
         header=_DOT,
     )
 
 
 @functools.cache
-def _down_kernel(shared: bool = False):
-    """The down kernel; `shared`: with the shared expert's gated output added."""
+def _down_kernel(shared: str = ""):
+    """The down kernel; `shared`: with the shared expert's gated output added ("values"
+    given, or its "weights" run on the up kernel's last pair)."""
     return cuda_kernel(
-        name="qwen38_experts_down" + ("_shared" if shared else ""),
-        input_names=["h", "inds", "weights", "w", "scales", "biases"]
-        + (["shared", "shared_gate"] if shared else []),
+        name="qwen38_experts_down" + (f"_{shared}" if shared else ""),
+        input_names=["h", "inds", "weights", "w", "scales", "biases"] + SHARED_INPUTS[shared],
         output_names=["out"],
-        source=_source(_DOWN).replace("__STORE__", STORES[shared]),
+        source=_source(_DOWN)
+        .replace("__SHARED_DOWN__", _SHARED_DOWN.get(shared, ""))
+        .replace("__STORE__", STORES[shared]),
         header=(MLX_OPS if shared else "") + _DOT,
     )
 
@@ -171,27 +220,34 @@ def routed_sum(
     down: dict,
     group_size: int,
     shared: tuple[mx.array, mx.array] | None = None,
+    shared_weights: tuple[mx.array, mx.array, mx.array] | None = None,
 ) -> mx.array:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = inds[t, j]: x [T, H]
     (half precision), inds [T, k] (uint32), weights [T, k] (fp32), gate_up / down the
     experts' 4-bit affine stacks ({"weight", "scales", "biases"}: [E, 2I, H / 8] and
-    [E, H, I / 8] words). `shared` (gate [T, 1], values [T, H], x's dtype): plus
-    sigmoid(gate) * values, in the same launch. Returns [T, H] in x's dtype."""
+    [E, H, I / 8] words). Plus sigmoid(gate) * the shared expert's output in the same
+    launches: `shared` (gate [T, 1], its output [T, H]) given, or `shared_weights` (gate
+    [T, 1], its dense gate / up rows [2I, H] and down rows [H, I] in x's dtype) run as one
+    more pair of each row. Returns [T, H] in x's dtype."""
     T_, hidden = x.shape
     k = inds.shape[1]
     inter = gate_up["weight"].shape[1] // 2
     dtype = x.dtype
+    form = "weights" if shared_weights is not None else "values" if shared is not None else ""
+    pairs = k + (form == "weights")
     template = [("T", dtype), ("H", hidden), ("I", inter), ("G", group_size), ("KT", k)]
-    (h,) = _up_kernel()(
-        inputs=[x, inds, gate_up["weight"], gate_up["scales"], gate_up["biases"]],
+    template.append(("PAIRS", pairs))
+    up_extra = [shared_weights[1]] if form == "weights" else []
+    (h,) = _up_kernel(form if form == "weights" else "")(
+        inputs=[x, inds, gate_up["weight"], gate_up["scales"], gate_up["biases"], *up_extra],
         template=template,
-        grid=(-(-inter // WARPS) * THREADS, T_ * k, 1),
+        grid=(-(-inter // WARPS) * THREADS, T_ * pairs, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(T_ * k, inter)],
+        output_shapes=[(T_ * pairs, inter)],
         output_dtypes=[dtype],
     )
-    extra = [] if shared is None else [shared[1], shared[0]]
-    (out,) = _down_kernel(shared is not None)(
+    extra = [] if form == "" else [shared[1], shared[0]] if form == "values" else [*shared_weights]
+    (out,) = _down_kernel(form)(
         inputs=[h, inds, weights, down["weight"], down["scales"], down["biases"], *extra],
         template=template,
         grid=(-(-hidden // WARPS) * THREADS, T_, 1),
@@ -205,7 +261,8 @@ def routed_sum(
 def fits(x: mx.array, experts, k: int) -> bool:
     """Whether these operands suit the kernels (shapes, dtypes, 4-bit affine; not the probe):
     x's and the scales' half precision, every row's words a whole number of lanes' float4
-    pairs of x, groups of whole words, the row's k activations in shared memory."""
+    pairs of x, groups of whole words, the row's k activations and the shared expert's in
+    shared memory."""
     if getattr(experts, "bits", None) != 4 or getattr(experts, "mode", "affine") != "affine":
         return False
     gu, dn = experts.gate_up_proj, experts.down_proj
@@ -219,8 +276,20 @@ def fits(x: mx.array, experts, k: int) -> bool:
         and g % 8 == 0
         and hidden % g == 0
         and inter % g == 0
-        and max(k * inter, hidden) * 4 <= 48 * 1024
+        and max((k + 1) * inter, hidden) * 4 <= 48 * 1024
     )
+
+
+def runs_shared(shared_expert, dtype: mx.Dtype) -> bool:
+    """Whether a SwiGLU shared expert can run on the kernels' last pair: its gate / up fused
+    (one [2I, H] weight, gate rows first) and its down [H, I], dense in `dtype`, no bias,
+    every row whole 16-byte chunks."""
+    gate_up, down = shared_expert.get("gate_up_proj"), shared_expert.get("down_proj")
+    layers = (gate_up, down)
+    if any(type(m) is not nn.Linear or "bias" in m for m in layers):
+        return False
+    width = 16 // dtype.size
+    return all(m.weight.dtype == dtype and m.weight.shape[1] % width == 0 for m in layers)
 
 
 def supported() -> bool:
@@ -230,13 +299,14 @@ def supported() -> bool:
 @functools.cache
 def available(hidden: int, inter: int, n_experts: int, k: int, group: int, dtype) -> bool:
     """True when the kernels run here, each row equals a one-row call bit for bit, and the
-    result is close to the op path (gather_qmm, silu(gate) * up, the weighted sum) on random
-    experts of this shape (probed once per shape); else False, warning why.
+    result is close to the op path (gather_qmm, silu(gate) * up, the weighted sum; plus the
+    shared expert's gated output, given or run on the last pair) on random experts of this
+    shape (probed once per shape); else False, warning why.
     QWEN38_EXPERT_KERNEL: off (the default, until measured) | auto | force (skip the probe)."""
     decided = switched("QWEN38_EXPERT_KERNEL", supported, "off")
     if decided is not None:
         return decided
-    keys = mx.random.split(mx.random.key(23), 7)
+    keys = mx.random.split(mx.random.key(23), 9)
     rows = 3
     x = mx.random.normal((rows, hidden), key=keys[0]).astype(dtype)
     experts = Experts(n_experts, hidden, inter)
@@ -252,16 +322,25 @@ def available(hidden: int, inter: int, n_experts: int, k: int, group: int, dtype
     weights = mx.softmax(mx.random.normal((rows, k), key=keys[4]), axis=-1)
     gate = mx.random.normal((rows, 1), key=keys[5]).astype(dtype)
     values = mx.random.normal((rows, hidden), key=keys[6]).astype(dtype)
+    shared_gate_up = (hidden**-0.5 * mx.random.normal((2 * inter, hidden), key=keys[7])).astype(
+        dtype
+    )
+    shared_down = (inter**-0.5 * mx.random.normal((hidden, inter), key=keys[8])).astype(dtype)
 
-    def both(t: slice) -> mx.array:  # without and with the shared expert's output
+    def forms(t: slice) -> mx.array:  # no shared expert, its output given, its weights run
         args = (x[t], inds[t], weights[t], *stacks, group)
-        return mx.stack([routed_sum(*args), routed_sum(*args, shared=(gate[t], values[t]))])
+        given = routed_sum(*args, shared=(gate[t], values[t]))
+        run = routed_sum(*args, shared_weights=(gate[t], shared_gate_up, shared_down))
+        return mx.stack([routed_sum(*args), given, run])
 
     try:
-        together = both(slice(0, rows))
-        alone = mx.concatenate([both(slice(i, i + 1)) for i in range(rows)], axis=1)
+        together = forms(slice(0, rows))
+        alone = mx.concatenate([forms(slice(i, i + 1)) for i in range(rows)], axis=1)
         routed = reference(x, inds, weights, experts)
-        want = mx.stack([routed, routed + mx.sigmoid(gate) * values])
+        g, u = mx.split(x @ shared_gate_up.T, 2, axis=-1)
+        shared = (nn.silu(g) * u) @ shared_down.T
+        sig = mx.sigmoid(gate)
+        want = mx.stack([routed, routed + sig * values, routed + sig * shared])
         mx.eval(together, alone, want)
     except Exception as e:  # noqa: BLE001 - any failure means: the op path runs
         warnings.warn(f"expert kernels unavailable ({e})", stacklevel=2)

@@ -685,7 +685,8 @@ def test_expert_kernels_match_the_op_path(dtype, monkeypatch):
     """Flash-Next's expert shapes (hidden 2560, intermediate 640, 10 of 64 experts a token,
     4-bit groups of 64): the probe passes; every row equals a one-row call bit for bit; the
     routed sum is within bf16 rounding of gather_qmm's; and a SparseMoE step takes the
-    kernels once they are switched on, its output close to the op path's."""
+    kernels once they are switched on, its output close to the op path's, with the shared
+    expert's output added in them and with the shared expert run in them."""
     from qwen38_backend.kernels import expert_qmv as kernel
 
     monkeypatch.setenv("QWEN38_EXPERT_KERNEL", "auto")  # off by default until measured
@@ -708,10 +709,14 @@ def test_expert_kernels_match_the_op_path(dtype, monkeypatch):
     op_path = moe(x)
     moe.prepare_decode()
     assert moe._fused(x)
-    fused = moe(x).astype(mx.float32)
-    want_step = op_path.astype(mx.float32)
-    rel = mx.linalg.norm(fused - want_step) / mx.linalg.norm(want_step)
-    assert rel.item() < 2.0**-7
+    for fuse_shared in (False, True):  # its output added, then the shared expert run there
+        if fuse_shared:
+            moe.shared_expert.fuse()
+            assert kernel.runs_shared(moe.shared_expert, dtype)
+        fused = moe(x).astype(mx.float32)
+        want_step = op_path.astype(mx.float32)
+        rel = mx.linalg.norm(fused - want_step) / mx.linalg.norm(want_step)
+        assert rel.item() < 2.0**-7, fuse_shared
     kernel.available.cache_clear()
 
 

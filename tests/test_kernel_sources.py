@@ -253,16 +253,18 @@ def test_gdn_prefill_compiles(recorded, tmp_path, kind):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_expert_kernels_compile(recorded, tmp_path, dtype):
     expert_qmv._up_kernel()
-    expert_qmv._down_kernel()
-    expert_qmv._down_kernel(True)
+    expert_qmv._up_kernel("weights")
+    for shared in ("", "values", "weights"):
+        expert_qmv._down_kernel(shared)
     t = C_TYPES[dtype]
     types = {"x": t, "h": t, "out": t, "scales": t, "biases": t, "weights": "float"}
-    types.update(shared=t, shared_gate=t)
+    types.update(shared=t, shared_gate=t, shared_gate_up=t, shared_down=t)
     types.update(inds="uint32_t", w="uint32_t")
     # Flash-Next's experts: hidden 2560, intermediate 640, groups of 64, 10 a token
     template = [("T", dtype), ("H", 2560), ("I", 640), ("G", 64), ("KT", 10)]
-    for name in ("qwen38_experts_up", "qwen38_experts_down", "qwen38_experts_down_shared"):
-        compiles(tmp_path, recorded[name], types, template)
+    for name, kernel in recorded.items():
+        pairs = 11 if name.endswith("_shared") or name.endswith("_weights") else 10
+        compiles(tmp_path, kernel, types, [*template, ("PAIRS", pairs)])
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])

@@ -125,8 +125,10 @@ def test_expert_kernels_match_an_fp32_reference(emulated, monkeypatch):
     64), bf16: every row equals a one-row call; the routed sum is within bf16 rounding of
     the op path on the same operands in fp32 (MLX's CPU gather_qmm in bf16 is itself ~3%
     off, so the probe's bf16 comparison cannot pass here: kernels/expert_qmv.py); the
-    shared expert's gated output is added in the last launch as the ops add it; a SparseMoE
-    step with the routing and expert kernels forced on is as close."""
+    shared expert's gated output is added in the last launch as the ops add it, or the
+    shared expert itself runs as each row's last pair, as close; a SparseMoE step with the
+    routing and expert kernels forced on (its shared expert fused, so run in them) is as
+    close."""
     moe = random_moe(256, 8, 3, 128, seed=2)
     moe.set_dtype(mx.bfloat16)
     x = mx.random.normal((4, 256), key=mx.random.key(3)).astype(mx.bfloat16)
@@ -151,6 +153,22 @@ def test_expert_kernels_match_an_fp32_reference(emulated, monkeypatch):
     # the shared expert's output added to the kernel's own routed sum as the ops add it
     # (within two ulps: the emulation's sigmoid is not MLX's CPU one)
     assert within_ulps(with_shared, got + mx.sigmoid(gate) * values, 2)
+    # the shared expert run on each row's last pair: its dense rows, in fp32 for reference
+    moe.shared_expert.fuse()
+    se = moe.shared_expert
+    assert expert_qmv.runs_shared(se, mx.bfloat16)
+    ran = expert_qmv.routed_sum(
+        x,
+        inds,
+        weights,
+        e.gate_up_proj,
+        e.down_proj,
+        64,
+        shared_weights=(gate, se.gate_up_proj.weight, se.down_proj.weight),
+    )
+    g, u = mx.split(x.astype(mx.float32) @ se.gate_up_proj.weight.astype(mx.float32).T, 2, -1)
+    shared = (nn.silu(g) * u) @ se.down_proj.weight.astype(mx.float32).T
+    assert rel(ran, want + mx.sigmoid(gate.astype(mx.float32)) * shared) < 2.0**-6
     monkeypatch.setenv("QWEN38_EXPERT_KERNEL", "force")
     moe.prepare_decode()
     assert moe._fused(x) and moe._route_for

@@ -259,12 +259,14 @@ class SparseMoE(nn.Module):
         group = getattr(self, "group", None)
         if group is not None:
             return all_sum(self._local_experts(x, inds, weights) + self._shared(x), group)
-        if self._fused(x):  # the shared expert's output added in the kernels' last launch
-            e = self.experts
-            shared = (per_row(self.shared_expert_gate, x), self.shared_expert(x))
-            return kernel_module("expert_qmv").routed_sum(
-                x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size, shared
-            )
+        if self._fused(x):  # the shared expert run in the kernels, or its output added there
+            e, kernel = self.experts, kernel_module("expert_qmv")
+            args = (x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size)
+            gate, se = per_row(self.shared_expert_gate, x), self.shared_expert
+            if kernel.runs_shared(se, x.dtype):
+                weights_of = (gate, se.gate_up_proj.weight, se.down_proj.weight)
+                return kernel.routed_sum(*args, shared_weights=weights_of)
+            return kernel.routed_sum(*args, shared=(gate, se(x)))
         return weighted_experts(self.experts, x, inds, weights) + self._shared(x)
 
     def _shared(self, x: mx.array) -> mx.array:
