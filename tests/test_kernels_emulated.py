@@ -282,6 +282,7 @@ def test_rows_matmul_kernel_matches_its_probe(emulated_27b, monkeypatch, dtype):
     assert rows_matmul.norm_available(dtype)
 
 
+@pytest.mark.slow  # ~10 s a dtype (its last change, the combine's unroll, passes here)
 @pytest.mark.parametrize("kv_dtype", [mx.bfloat16, mx.float32])
 def test_decode_attention_kernels_match_sdpa(monkeypatch, kv_dtype):
     """The split-KV partial (the fp32-FMA form) and combine kernels on their probe's cases
@@ -305,7 +306,9 @@ def test_decode_attention_kernels_match_sdpa(monkeypatch, kv_dtype):
         clear_caches(decode_attention)
 
 
-# ----- kernels the H200 has run: emulated too, so a CPU-only change to them is checked -------
+# ----- kernels the H200 has run: emulated too (--run-slow), so a CPU-only change to them is
+# checked before a GPU sees it -------------------------------------------------------------------
+@pytest.mark.slow
 def test_qk_norm_rope_kernel_passes_its_probe(monkeypatch):
     """The 27B's gated heads (24 of 256, 4 KV heads, 64 rotary dims) and an ungated,
     interleaved layout: rows equal one-row launches at their positions, within two ulps of
@@ -322,6 +325,7 @@ def test_qk_norm_rope_kernel_passes_its_probe(monkeypatch):
         clear_caches(qk_norm_rope)
 
 
+@pytest.mark.slow
 def test_quest_page_keys_kernel_passes_its_probe(monkeypatch):
     """The page keys of the 27B's heads (24 query, 4 KV heads of 256), shared and per head:
     the op path's selection, bounds within fp32 rounding, forced and dead pages alike."""
@@ -332,6 +336,7 @@ def test_quest_page_keys_kernel_passes_its_probe(monkeypatch):
         clear_caches(quest_select)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["solve", "scan"])
 def test_gdn_prefill_kernels_pass_their_probe(monkeypatch, kind):
     """A chunk's solve and scan at the 27B's head widths (Dk = Dv = 128): within fp32
