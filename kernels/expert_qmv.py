@@ -111,11 +111,10 @@ _UP = """
     } else {
         __SHARED_UP__
     }
-    if (lane == 0) {
+    if (lane == 0) {  // nn.silu(gate) * up with MLX's own device ops, as the op path's
+        using namespace mlx::core::cu;
         const T gate = T(gate_sum), up = T(up_sum);
-        const T sig = T(1.0f / (1.0f + expf(-static_cast<float>(gate))));
-        const T silu = T(static_cast<float>(gate) * static_cast<float>(sig));
-        h[(long long)p * I + n] = T(static_cast<float>(silu) * static_cast<float>(up));
+        h[(long long)p * I + n] = Multiply{}(Multiply{}(gate, Sigmoid{}(gate)), up);
     }
 """
 
@@ -193,7 +192,7 @@ def _up_kernel(shared: str = ""):
         + (["shared_gate_up"] if shared == "weights" else []),
         output_names=["h"],
         source=_source(_UP).replace("__SHARED_UP__", _SHARED_UP if shared == "weights" else ""),
-        header=_DOT,
+        header=MLX_OPS + _DOT,
     )
 
 

@@ -15,12 +15,13 @@ The launches, each of T (the streams' half or single precision) in and out:
   kernel's own (a warp butterfly, then the warps in order), so a value may differ from the
   op path by an ulp where the two normalisers round apart.
 - `gates`: from the fused down / inject product's rows [T, L + S]: silu(y / S) [T, L] and,
-  where the residual injects, 2 sigmoid(y / S) [T, S]; every op rounded to T as MLX's
-  elementwise ops round.
-- `mix`: x[h] = mean over streams s of sigmoid(up[s H + h]) * normed[s H + h], the sum
-  over the streams in order, then times 1 / S rounded to T (as mx.mean scales).
-- `closed_norm`: `norm` of the streams closed with the block before (x + inj[s] * out, each
-  op rounded to T as GatedResidual.close's ops round), which it also stores: a layer's
+  where the residual injects, 2 sigmoid(y / S) [T, S]; every op one of MLX's own device
+  ops in T (what its compiled elementwise kernels call), so the bits are the ops'.
+- `mix`: x[h] = mean over streams s of sigmoid(up[s H + h]) * normed[s H + h] (MLX's ops),
+  the sum over the streams in order in fp32, then times 1 / S rounded to T (as mx.mean
+  scales).
+- `closed_norm`: `norm` of the streams closed with the block before (x + inj[s] * out with
+  MLX's ops, as GatedResidual.close computes it), which it also stores: a layer's
   mixer close and its MoE's norm in one launch.
 Every row is computed alone, so a verify's rows equal plain steps. `available()` probes the
 launches against the op path once per shape and dtype (within `tolerance(T)` ulps of T: two
@@ -83,13 +84,18 @@ _NORM = """
 _VALUES = {
     False: ("return static_cast<float>(x[base + i]);", ""),
     True: (
-        """const T add = static_cast<T>(static_cast<float>(inj[(long long)t * S + s]) *
-                                     static_cast<float>(out[(long long)t * H + i]));
-        return static_cast<float>(static_cast<T>(static_cast<float>(x[base + i]) +
-                                                 static_cast<float>(add)));""",
+        """using namespace mlx::core::cu;
+        const T add = Multiply{}(inj[(long long)t * S + s], out[(long long)t * H + i]);
+        return static_cast<float>(Add{}(x[base + i], add));""",
         "closed[base + i] = static_cast<T>(v);",
     ),
 }
+# MLX's own device ops (what its compiled elementwise kernels call), so the elementwise steps
+# round exactly as the op path's do
+MLX_OPS = (
+    '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
+    '#include "mlx/backend/cuda/device/binary_ops.cuh"\n'
+)
 
 # Thread i of the grid: element i of [rows, L + INJ]; template L (low rank), S, INJ (S where
 # the residual injects, else 0).
@@ -99,18 +105,20 @@ _GATES = """
     if (i >= (long long)y_shape[0] * WIDTH) return;
     const long long t = i / WIDTH;
     const int c = static_cast<int>(i % WIDTH);
-    const T v = static_cast<T>(static_cast<float>(y[i]) / static_cast<float>(S));
-    const T sig = static_cast<T>(1.0f / (1.0f + expf(-static_cast<float>(v))));
+    using namespace mlx::core::cu;
+    const T v = Divide{}(y[i], static_cast<T>(static_cast<float>(S)));
+    const T sig = Sigmoid{}(v);
     if (c < L) {
-        mixed[t * L + c] = static_cast<T>(static_cast<float>(v) * static_cast<float>(sig));
+        mixed[t * L + c] = Multiply{}(v, sig);
     } else {
         __INJECT__
     }
 """
-_INJECT = "inject[t * INJ + (c - L)] = static_cast<T>(2.0f * static_cast<float>(sig));"
+_INJECT = "inject[t * INJ + (c - L)] = Multiply{}(static_cast<T>(2.0f), sig);"
 
 # Thread i of the grid: output i of [rows, H]; template H, S.
 _MIX = """
+    using namespace mlx::core::cu;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)up_shape[0] * H) return;
     const long long t = i / H, h = i % H;
@@ -118,12 +126,9 @@ _MIX = """
 #pragma unroll
     for (int s = 0; s < S; ++s) {
         const long long at = (t * S + s) * H + h;
-        const T g = static_cast<T>(1.0f / (1.0f + expf(-static_cast<float>(up[at]))));
-        total += static_cast<float>(static_cast<T>(static_cast<float>(g) *
-                                                   static_cast<float>(normed[at])));
+        total += static_cast<float>(Multiply{}(Sigmoid{}(up[at]), normed[at]));
     }
-    const float share = static_cast<float>(static_cast<T>(1.0f / static_cast<float>(S)));
-    x[i] = static_cast<T>(static_cast<float>(static_cast<T>(total)) * share);
+    x[i] = Multiply{}(static_cast<T>(total), static_cast<T>(1.0f / static_cast<float>(S)));
 """
 
 
@@ -139,6 +144,7 @@ def _norm_kernel(eps: float, closes: bool = False):
         input_names=["x", "weight"] + (["inj", "out"] if closes else []),
         output_names=["y", "closed"] if closes else ["y"],
         source=source.replace("__THREADS__", str(THREADS)).replace("__EPS__", float32_literal(eps)),
+        header=MLX_OPS if closes else "",
     )
 
 
@@ -149,6 +155,7 @@ def _gates_kernel(inject: bool):
         input_names=["y"],
         output_names=["mixed", "inject"] if inject else ["mixed"],
         source=_GATES.replace("__INJECT__", _INJECT if inject else ""),
+        header=MLX_OPS,
     )
 
 
@@ -159,6 +166,7 @@ def _mix_kernel():
         input_names=["up", "normed"],
         output_names=["x"],
         source=_MIX,
+        header=MLX_OPS,
     )
 
 
@@ -302,9 +310,10 @@ def available(hidden: int, streams: int, low_rank: int, eps: float, dtype: mx.Dt
         for t, part in enumerate(alone)
         for g, a in zip(got, part, strict=True)
     )
-    # the mix against the op path's on the kernel's own normed rows (the norm's ulps
-    # would carry into it); the closed streams' norm is the norm kernel's, bit for bit
-    want = (*want[:3], stream_mean(up, got[0], streams), want[4])
+    # the mix and the close against the op path's on the kernels' own normed rows and
+    # inject weights (their ulps would carry into them); the closed streams' norm is the
+    # norm kernel's, bit for bit
+    want = (*want[:3], stream_mean(up, got[0], streams), stream_close(x, got[2], out))
     ulps = tolerance(dtype)
     close = all(within_ulps(g, w, ulps) for g, w in zip(got[:5], want, strict=True))
     close = close and mx.array_equal(got[5], norm(got[4], weight, streams, eps)).item()

@@ -92,18 +92,6 @@ inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
-// MLX's device ops the product epilogues name (binary_ops.cuh, unary_ops.cuh): the
-// operation in fp32, rounded to T on return, as CUDA's half types compute
-namespace mlx::core::cu {
-struct Add { template <typename T> T operator()(T a, T b) { return T(float(a) + float(b)); } };
-struct Multiply {
-  template <typename T> T operator()(T a, T b) { return T(float(a) * float(b)); }
-};
-struct Sigmoid {
-  template <typename T> T operator()(T x) { return T(1.0f / (1.0f + std::exp(-float(x)))); }
-};
-}  // namespace mlx::core::cu
-
 // A block's threads are fibers on this one OS thread: each runs until it waits at a barrier
 // (1: the block's, 2: its warp's) or ends; a barrier opens once every live thread of the
 // block / warp waits there.
@@ -252,6 +240,26 @@ template <typename T> struct Mma {
 """
 DYNAMIC_SHARED = re.compile(r"extern __shared__ (__align__\(\d+\) )?unsigned char (\w+)\[\];")
 
+# MLX's device ops the kernels name (binary_ops.cuh, unary_ops.cuh), included where a
+# kernel's header includes those: the operation in fp32, rounded to T on return, as CUDA's
+# half types compute
+MLX_OPS = r"""
+namespace mlx::core::cu {
+struct Add { template <typename T> T operator()(T a, T b) { return T(float(a) + float(b)); } };
+struct Multiply {
+  template <typename T> T operator()(T a, T b) { return T(float(a) * float(b)); }
+};
+struct Divide {
+  template <typename T> T operator()(T a, T b) { return T(float(a) / float(b)); }
+};
+struct Sigmoid {
+  template <typename T> T operator()(T x) { return T(1.0f / (1.0f + std::exp(-float(x)))); }
+};
+}  // namespace mlx::core::cu
+
+"""
+MLX_INCLUDE = '#include "mlx/'
+
 C_TYPES = {
     mx.bfloat16: "__nv_bfloat16",
     mx.float16: "__half",
@@ -339,7 +347,8 @@ class EmulatedKernel:
         source = "\n".join(
             [
                 HEADER,
-                "\n".join(ln for ln in self.header.splitlines() if '#include "mlx/' not in ln),
+                MLX_OPS if MLX_INCLUDE in self.header else "",
+                "\n".join(ln for ln in self.header.splitlines() if MLX_INCLUDE not in ln),
                 f"void kernel_body({', '.join(params)}) {{",
                 constants,
                 self.source,

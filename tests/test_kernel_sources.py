@@ -72,6 +72,7 @@ MLX_OPS = """
 namespace mlx::core::cu {
 struct Add { template <typename T> __device__ T operator()(T a, T b) { return a + b; } };
 struct Multiply { template <typename T> __device__ T operator()(T a, T b) { return a * b; } };
+struct Divide { template <typename T> __device__ T operator()(T a, T b) { return a / b; } };
 struct Sigmoid {
   template <typename T> __device__ T operator()(T x) {
     return T(1.0f / (1.0f + expf(-static_cast<float>(x))));
@@ -126,15 +127,17 @@ def compiles(tmp_path, kernel: dict, types: dict, template: list) -> None:
             constants.append(f"constexpr int {name} = {value};")
         else:
             constants.append(f"using {name} = {C_TYPES[value]};")
-    header = "\n".join(
-        line for line in kernel["header"].splitlines() if not line.startswith('#include "mlx/')
-    )
+    lines = kernel["header"].splitlines()
+    header = "\n".join(line for line in lines if not line.startswith('#include "mlx/'))
+    # MLX's device ops only where the kernel includes them (a kernel naming them without
+    # the include would not compile on the GPU)
+    ops = MLX_OPS if any(line.startswith('#include "mlx/') for line in lines) else ""
     text = "\n".join(
         [
             "#include <cuda_bf16.h>",
             "#include <cuda_fp16.h>",
             "#include <cstdint>",
-            MLX_OPS,
+            ops,
             header,
             "namespace mlx::core::cu {",
             f"__global__ void kernel({', '.join(args)}) {{",
