@@ -110,7 +110,7 @@ class GatedResidual(nn.Module):
         """The block input x [T, hidden] from the normed streams and the low-rank gate."""
         # per_row: a verify row's products are a plain step's on the CPU (rows.py)
         up = per_row(self.input_mix_weight_up, gate)
-        if kernels is None:
+        if kernels is None or up.dtype != normed.dtype:  # (the kernel takes one dtype)
             return stream_mean(up, normed, self.hc_count)
         return kernels.mix(up, normed, self.hc_count)
 
@@ -154,7 +154,7 @@ class GatedResidual(nn.Module):
         the stream kernels (kernels/stream_mix.py), else (the close, None: `then` norms it
         when it opens)."""
         kernels = self._kernels(R) and then._kernels(R)
-        if kernels is None:
+        if kernels is None or not (inj.dtype == out.dtype == R.dtype):  # one dtype, as above
             return self.close(R, inj, out), None
         norm = then.hc_norm
         return kernels.closed_norm(R, inj, out, norm.weight, self.hc_count, norm.eps)
