@@ -160,15 +160,6 @@ def _grouped(x: mx.array, inds: mx.array, num_experts: int, mm) -> mx.array:
     return out[mx.argsort(order)].reshape(T, k, -1)
 
 
-def _dtype(linear: nn.Module) -> mx.Dtype:
-    """The dtype a linear's products come out in for inputs of the model's dtype."""
-    return linear.scales.dtype if isinstance(linear, nn.QuantizedLinear) else linear.weight.dtype
-
-
-def _outputs(linear: nn.Module) -> int:
-    return (linear.scales if isinstance(linear, nn.QuantizedLinear) else linear.weight).shape[0]
-
-
 def _swiglu(gu: mx.array, intermediate: int) -> mx.array:
     return nn.silu(gu[..., :intermediate]) * gu[..., intermediate:]
 
@@ -229,14 +220,14 @@ class SparseMoE(nn.Module):
         runs: the routing in one launch (kernels/moe_route.py) and the routed experts in two
         (kernels/expert_qmv.py: 4-bit affine experts on one device), each where it passed
         its probe for this shape and dtype."""
-        dtype = _dtype(self.gate)
+        held = self.gate.get("scales", self.gate.get("weight"))  # [E, ...], the logits' dtype
+        dtype = held.dtype
         if self._checked == str(dtype):
             return  # decided once per dtype: this runs every step
         self._checked, self._route_for, self._kernel_for = str(dtype), "", ""
         routing = kernel_module("moe_route")
-        n_experts = _outputs(self.gate)
         if routing is not None and routing.available(
-            n_experts, self.top_k, self.norm_topk_prob, dtype
+            held.shape[0], self.top_k, self.norm_topk_prob, dtype
         ):
             self._route_for = str(dtype)
         experts = self.experts
