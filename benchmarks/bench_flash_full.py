@@ -183,6 +183,7 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
     from qwen38_backend.kernel_import import kernel_module
     from qwen38_backend.models.hyper_connections import GatedResidual
     from qwen38_backend.models.moe import SparseMoE
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
 
     for name, env in STEP_KERNELS.items():
         os.environ[f"QWEN38_{env}_KERNEL"] = "auto" if name in chosen else "off"
@@ -195,6 +196,8 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
         module.__dict__.pop("_compiled_methods", None)
         if isinstance(module, (SparseMoE, GatedResidual)):
             module._checked = ""
+        if isinstance(module, Qwen4ExpBlock):
+            module._prepared = None
 
     model.net.apply_to_modules(reset)
 

@@ -174,10 +174,9 @@ class Qwen4ExpBlock(nn.Module):
             st = st.mixer
         # a step: the mixer, the router, experts, shared expert and both stream mixes
         # replayed as compiled graphs instead of ~150 ops encoded from Python per layer
-        if decode:  # outside the trace: the kernels' probes run ops
-            self.mlp.prepare_decode()
-            self.attn_hyper_connection.prepare_decode(R.dtype)
-            self.mlp_hyper_connection.prepare_decode(R.dtype)
+        prepared = self._prepared  # (MLX's dtypes do not compare with None)
+        if decode and (prepared is None or prepared != R.dtype):  # once decided: one compare
+            self.prepare_decode(R.dtype)
         if self.is_linear and decode:
             return self.decode_linear(R, st)
         if decode:
@@ -187,6 +186,16 @@ class Qwen4ExpBlock(nn.Module):
         else:
             R = self.attn_hyper_connection(R, lambda x: self.self_attn(x, st, offset))
         return self.mlp_hyper_connection(R, self.mlp)
+
+    _prepared = None  # the dtype whose steps' kernels were chosen (prepare_decode)
+
+    def prepare_decode(self, dtype: mx.Dtype) -> None:
+        """Choose the step kernels of the MoE and both stream mixes for steps of `dtype`
+        (outside any trace: the kernels' probes run ops)."""
+        self.mlp.prepare_decode()
+        self.attn_hyper_connection.prepare_decode(dtype)
+        self.mlp_hyper_connection.prepare_decode(dtype)
+        self._prepared = dtype
 
     def decode_linear(self, R: mx.array, state: GatedDeltaNetState) -> mx.array:
         """One token through the whole layer (Gated DeltaNet, MoE, stream mixes), compiled."""
