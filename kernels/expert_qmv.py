@@ -170,7 +170,7 @@ _SHARED_DOWN = {
 }
 SHARED_INPUTS = {
     "": [],
-    "values": ["shared", "shared_gate"],
+    "values": ["shared_gate", "shared"],
     "weights": ["shared_gate", "shared_gate_up", "shared_down"],
 }
 MLX_OPS = (
@@ -184,14 +184,13 @@ def _source(body: str) -> str:
 
 
 @functools.cache
-def _up_kernel(shared: str = ""):
-    """The up kernel; `shared` "weights": with the shared expert's pair last."""
+def _up_kernel(shared: bool = False):
+    """The up kernel; `shared`: with the shared expert's pair last (its weights run here)."""
     return cuda_kernel(
-        name="qwen38_experts_up" + ("_shared" if shared == "weights" else ""),
-        input_names=["x", "inds", "w", "scales", "biases"]
-        + (["shared_gate_up"] if shared == "weights" else []),
+        name="qwen38_experts_up" + ("_shared" if shared else ""),
+        input_names=["x", "inds", "w", "scales", "biases"] + (["shared_gate_up"] if shared else []),
         output_names=["h"],
-        source=_source(_UP).replace("__SHARED_UP__", _SHARED_UP if shared == "weights" else ""),
+        source=_source(_UP).replace("__SHARED_UP__", _SHARED_UP if shared else ""),
         header=MLX_OPS + _DOT,
     )
 
@@ -237,7 +236,7 @@ def routed_sum(
     template = [("T", dtype), ("H", hidden), ("I", inter), ("G", group_size), ("KT", k)]
     template.append(("PAIRS", pairs))
     up_extra = [shared_weights[1]] if form == "weights" else []
-    (h,) = _up_kernel(form if form == "weights" else "")(
+    (h,) = _up_kernel(form == "weights")(
         inputs=[x, inds, gate_up["weight"], gate_up["scales"], gate_up["biases"], *up_extra],
         template=template,
         grid=(-(-inter // WARPS) * THREADS, T_ * pairs, 1),
@@ -245,7 +244,7 @@ def routed_sum(
         output_shapes=[(T_ * pairs, inter)],
         output_dtypes=[dtype],
     )
-    extra = [] if form == "" else [shared[1], shared[0]] if form == "values" else [*shared_weights]
+    extra = [*(shared_weights or shared or ())]  # the gate first, as SHARED_INPUTS names them
     (out,) = _down_kernel(form)(
         inputs=[h, inds, weights, down["weight"], down["scales"], down["biases"], *extra],
         template=template,

@@ -256,7 +256,7 @@ def test_gdn_prefill_compiles(recorded, tmp_path, kind):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_expert_kernels_compile(recorded, tmp_path, dtype):
     expert_qmv._up_kernel()
-    expert_qmv._up_kernel("weights")
+    expert_qmv._up_kernel(True)
     for shared in ("", "values", "weights"):
         expert_qmv._down_kernel(shared)
     t = C_TYPES[dtype]
