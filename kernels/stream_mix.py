@@ -26,8 +26,9 @@ The launches, each of T (the streams' half or single precision) in and out:
 Every row is computed alone, so a verify's rows equal plain steps. `available()` probes the
 launches against the op path once per shape and dtype (within `tolerance(T)` ulps of T: two
 in half precision, where the roundings to T hide the order of fp32 sums, 64 in fp32, where
-they do not; rows equal to one-row launches). Off by default (QWEN38_STREAM_KERNEL=auto
-turns it on) until an H200 run has measured it.
+they do not; rows equal to one-row launches). On by default (QWEN38_STREAM_KERNEL=off
+runs the op path): on the H200 a full Flash-Next step decoded 38.9 tok/s with them against
+29.0 without (session 29, `flash_full_step_kernels_s29.json`).
 """
 
 from __future__ import annotations
@@ -279,8 +280,8 @@ def available(hidden: int, streams: int, low_rank: int, eps: float, dtype: mx.Dt
     """True when the kernels run here, each row equals a one-row launch bit for bit,
     and each output is within tolerance(dtype) ulps of the op path (GatedResidual's ops) on
     random rows of this shape (probed once per shape and dtype); else False, warning why.
-    QWEN38_STREAM_KERNEL: off (the default, until measured) | auto | force (no probe)."""
-    decided = switched("QWEN38_STREAM_KERNEL", lambda: dtype in DTYPES and supported(), "off")
+    QWEN38_STREAM_KERNEL: auto (the default) | off | force (no probe)."""
+    decided = switched("QWEN38_STREAM_KERNEL", lambda: dtype in DTYPES and supported())
     if decided is not None:
         return decided
     keys = mx.random.split(mx.random.key(41), 5)

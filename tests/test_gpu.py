@@ -767,9 +767,11 @@ def test_flash_next_steps_with_its_step_kernels_on_gpu(tmp_path, monkeypatch, sw
     def tokens(model) -> list[int]:
         return list(model.generate_tokens(prompt, max_tokens=12, stop_token_ids=[]))
 
+    for name in ("ROUTE", "STREAM"):  # the op path's model first
+        monkeypatch.setenv(f"QWEN38_{name}_KERNEL", "off")
     plain = tokens(qwen38_backend.load(str(path), dtype="bfloat16"))
-    for name in switches:
-        monkeypatch.setenv(f"QWEN38_{name}_KERNEL", "auto")
+    for name in ("ROUTE", "STREAM"):
+        monkeypatch.setenv(f"QWEN38_{name}_KERNEL", "auto" if name in switches else "off")
     moe_route.available.cache_clear()
     stream_mix.available.cache_clear()
     model = qwen38_backend.load(str(path), dtype="bfloat16")
@@ -796,7 +798,7 @@ def test_stream_mix_kernels_match_the_op_path(dtype, monkeypatch):
 
     from qwen38_backend.models.hyper_connections import stream_close, stream_mean
 
-    monkeypatch.setenv("QWEN38_STREAM_KERNEL", "auto")  # off by default until measured
+    monkeypatch.setenv("QWEN38_STREAM_KERNEL", "auto")
     kernel.available.cache_clear()
     assert kernel.available(2560, 4, 320, 1e-6, dtype)
     width = 4 * 2560

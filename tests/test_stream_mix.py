@@ -41,7 +41,7 @@ def test_the_reference_is_the_layers_op_path():
 
 @pytest.mark.parametrize("value", [None, "auto", "off"])
 def test_the_layer_keeps_its_op_path_where_the_kernels_are_off(monkeypatch, value):
-    """Off by default, and unavailable off CUDA even when switched on."""
+    """Off where switched off, and unavailable off CUDA when on (the default)."""
     if value is None:
         monkeypatch.delenv("QWEN38_STREAM_KERNEL", raising=False)
     else:

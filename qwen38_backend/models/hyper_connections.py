@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from ..kernel_import import kernel_module
 from ..rows import STEP_MAX_ROWS, per_row
-from .layers import can_fuse, fuse_linears, split_outputs
+from .layers import can_fuse, fuse_linears, split_outputs, sum_fp32
 
 
 class GroupedRMSNorm(nn.Module):
@@ -43,8 +43,10 @@ def gate_inject(inject: mx.array, streams: int) -> mx.array:
 
 def stream_mean(up: mx.array, normed: mx.array, streams: int) -> mx.array:
     """mean over the streams of sigmoid(up) * normed: [..., S * H] -> [..., H]."""
-    # the product before the reshape: the sigmoid and the product fuse (one kernel)
-    return (mx.sigmoid(up) * normed).reshape(*up.shape[:-1], streams, -1).mean(axis=-2)
+    # the product before the reshape: the sigmoid and the product fuse (one kernel); the
+    # mean as MLX's mean forms it: the sum rounded, times 1 / S in the dtype
+    summed = sum_fp32((mx.sigmoid(up) * normed).reshape(*up.shape[:-1], streams, -1), axis=-2)
+    return summed * (1.0 / streams)
 
 
 def stream_close(R: mx.array, inj: mx.array, out: mx.array) -> mx.array:

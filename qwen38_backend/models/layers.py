@@ -421,6 +421,13 @@ def residual_step(
 
 
 @mx.compile
+def sum_fp32(x: mx.array, axis: int) -> mx.array:
+    """x summed over `axis` in fp32, rounded once to x's dtype: as the CPU and torch sum
+    half types. MLX's CUDA sum accumulates in the half type itself (a bf16 mean of four
+    differs in ~1/3 of its values), so the op path asks for fp32 and the GPU agrees."""
+    return x.astype(mx.float32).sum(axis=axis).astype(x.dtype)
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up as one fused kernel."""
     return nn.silu(gate) * up

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..kernel_import import kernel_module
 from ..rows import STEP_MAX_ROWS, per_row
-from .layers import SwiGLU
+from .layers import SwiGLU, sum_fp32
 from .parallel import all_sum, part_of, ranks, require_divisible
 
 # Below this many (token, expert) pairs the unsorted gather is cheaper than sorting.
@@ -123,7 +123,7 @@ def weighted_experts(
 ) -> mx.array:
     """sum_j weights[t, j] * expert_{inds[t, j]}(x_t): the routed half of SparseMoE, [T, H]."""
     routed = experts(x, inds)  # [T, k, H]
-    return (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+    return sum_fp32(routed * weights[..., None].astype(routed.dtype), axis=1)
 
 
 def _sorts(T: int, k: int) -> bool:
@@ -272,7 +272,7 @@ class SparseMoE(nn.Module):
             # a step: pairs of other ranks point at expert 0 with weight 0 (no host sync)
             routed = self.experts(x, mx.where(mine, local, 0).astype(mx.uint32))
             w = mx.where(mine, weights, 0.0)
-            return (routed * w[..., None].astype(routed.dtype)).sum(axis=1)
+            return sum_fp32(routed * w[..., None].astype(routed.dtype), axis=1)
         # prefill: run only this rank's pairs (the others would all pile onto one expert)
         pairs = mx.array(np.flatnonzero(np.array(mine.reshape(-1))).astype(np.int32))
         out = mx.zeros((T, x.shape[-1]), x.dtype)
