@@ -27,7 +27,8 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
   must decode the same tokens);
 - with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
   on (routing, stream mixes, routed experts: kernels/moe_route.py, stream_mix.py,
-  expert_qmv.py), the layers that chose them, and whether the tokens are the default's;
+  expert_qmv.py; the rest off), the sets taking turns run by run, the layers that chose
+  them, and whether the tokens are the default's;
 - the bytes a decoded token reads (formula in the JSON, "bytes_per_token") and its bound at
   --bandwidth-gbps (default: 4.8 TB/s on an H200, measured on the CPU), decode as % of bound;
 - prefill tok/s at the other --prefill lengths, a fresh state each; a length whose projected
@@ -204,25 +205,30 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
 
 def by_step_kernels(args, model, state, first: int, want: list[int], bound: float) -> dict:
     """Decode tok/s (median of --runs) with each set of step kernels on (--step-kernels),
-    what each layer chose, and whether the tokens are the default run's."""
-    out = {}
+    what each layer chose, and whether the tokens are the default run's. The sets take
+    turns, one run each per round (each switch traces the steps again, untimed), so a drift
+    of the machine over the call spreads over every set rather than landing on one."""
+    variants = {}
     for variant in args.step_kernels.split(","):
         chosen = set() if variant == "off" else set(variant.split("+"))
         unknown = chosen - set(STEP_KERNELS)
         if unknown:
             raise SystemExit(f"--step-kernels: unknown {sorted(unknown)}; use {list(STEP_KERNELS)}")
-        switch_step_kernels(model, chosen)
-        decode(model, state, first, 2)  # decides and traces the steps again
-        state.truncate(args.depth)
-        runs, tokens = decode_runs(args, model, state, first)
-        layers = model.net.model.layers
-        median = statistics.median(runs)
-        out[variant] = {
-            "tokens_per_second": {"median": median, "runs": runs},
-            "percent_of_bound": 100 * median / bound,
-            "runs_identical": all(t == tokens[0] for t in tokens),
-            "same_tokens_as_default": tokens[0] == want,
-            "layers_choosing": {
+        variants[variant] = chosen
+    runs = {v: [] for v in variants}
+    tokens = {v: [] for v in variants}
+    chose = {}
+    layers = model.net.model.layers
+    for _ in range(args.runs):
+        for variant, chosen in variants.items():
+            switch_step_kernels(model, chosen)
+            decode(model, state, first, 2)  # decides and traces the steps again
+            state.truncate(args.depth)
+            tps, toks, _ = decode(model, state, first, args.decode)
+            state.truncate(args.depth)
+            runs[variant].append(tps)
+            tokens[variant].append(toks)
+            chose[variant] = {
                 "route": sum(bool(layer.mlp._route_for) for layer in layers),
                 "expert": sum(bool(layer.mlp._kernel_for) for layer in layers),
                 "stream": sum(
@@ -230,12 +236,19 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
                     for layer in layers
                     for m in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
                 ),
-            },
+            }
+    out = {}
+    for variant in variants:
+        median = statistics.median(runs[variant])
+        out[variant] = {
+            "tokens_per_second": {"median": median, "runs": runs[variant]},
+            "percent_of_bound": 100 * median / bound,
+            "runs_identical": all(t == tokens[variant][0] for t in tokens[variant]),
+            "same_tokens_as_default": tokens[variant][0] == want,
+            "layers_choosing": chose[variant],
             "layers": len(layers),
         }
-        log(
-            f"decode, step kernels {variant}: {median:.2f} tok/s, {out[variant]['layers_choosing']}"
-        )
+        log(f"decode, step kernels {variant}: {median:.2f} tok/s, {chose[variant]}")
     switch_step_kernels(model, set())
     return out
 
