@@ -36,21 +36,34 @@ THREADS = 256
 WARPS = THREADS // 32
 
 # A lane's share of a packed row: 32-bit words (8 four-bit values each) at lane, lane + 32,
-# ...; x's matching values come from shared memory as two float4. `dot` adds, per word, the
-# scale times sum(x q) and the bias times sum(x) of its group (G values, G % 8 == 0).
+# ...; x's matching 8 values as fp32 (`eight`: from fp32 values in shared memory, two float4,
+# or from half-precision values in place, one 16-byte load: the same fp32 values either way).
+# `dot` adds, per word, the scale times sum(x q) and the bias times sum(x) of its group (G
+# values, G % 8 == 0).
 _DOT = """
 namespace qwen38_experts {
-template <typename T, int K, int G>
+__device__ __forceinline__ void eight(const float* xs, int at, float* v) {
+  const float4 a = reinterpret_cast<const float4*>(xs + at)[0];
+  const float4 b = reinterpret_cast<const float4*>(xs + at)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <typename X>
+__device__ __forceinline__ void eight(const X* xs, int at, float* v) {
+  const uint4 u = *reinterpret_cast<const uint4*>(xs + at);
+  const X* h = reinterpret_cast<const X*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(h[i]);
+}
+template <typename T, int K, int G, typename X>
 __device__ __forceinline__ float dot(
-    const uint32_t* row, const T* scales, const T* biases, const float* xs, int lane) {
+    const uint32_t* row, const T* scales, const T* biases, const X* xs, int lane) {
   constexpr int WORDS = K / 8;
   float acc = 0.0f;
 #pragma unroll
   for (int wd = lane; wd < WORDS; wd += 32) {
     const uint32_t q = row[wd];
-    const float4 x0 = reinterpret_cast<const float4*>(xs)[2 * wd];
-    const float4 x1 = reinterpret_cast<const float4*>(xs)[2 * wd + 1];
-    const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    float xv[8];
+    eight(xs, 8 * wd, xv);
     float qx = 0.0f, sx = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -65,17 +78,20 @@ __device__ __forceinline__ float dot(
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   return acc;
 }
-// A half-precision row (the shared expert's) against fp32 values in shared memory: a lane's
-// 16-byte chunks of the row at lane, lane + 32, ..., then the same butterfly.
-template <typename T, int K>
-__device__ __forceinline__ float dense_dot(const T* row, const float* xs, int lane) {
+// A half-precision row (the shared expert's) against x's values (as `dot` takes them): a
+// lane's 16-byte chunks of the row at lane, lane + 32, ..., then the same butterfly.
+template <typename T, int K, typename X>
+__device__ __forceinline__ float dense_dot(const T* row, const X* xs, int lane) {
   constexpr int E = 16 / sizeof(T), CHUNKS = K / E;
   float acc = 0.0f;
   for (int c = lane; c < CHUNKS; c += 32) {
     const uint4 u = reinterpret_cast<const uint4*>(row)[c];
     const T* v = reinterpret_cast<const T*>(&u);
+    float xv[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) acc = fmaf(xs[c * E + i], static_cast<float>(v[i]), acc);
+    for (int i = 0; i < E; i += 8) eight(xs, c * E + i, xv + i);
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc = fmaf(xv[i], static_cast<float>(v[i]), acc);
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
@@ -124,31 +140,32 @@ _SHARED_UP = """
         gate_sum = qwen38_experts::dense_dot<T, H>(gate_row, xs, lane);
         up_sum = qwen38_experts::dense_dot<T, H>(gate_row + (long long)I * H, xs, lane);"""
 
-# Block (blockIdx.x, row t = blockIdx.y): warp w takes output n = blockIdx.x * WARPS + w: each
-# of the row's KT experts' down row n (product rounded to T, times its routing weight rounded
-# to T, as `routed * weights` in T), summed over the experts in order in fp32, stored as T
-# (__STORE__: with the shared expert's output added where it is given or runs here).
+# Block (output n = blockIdx.x, row t = blockIdx.y), one warp per pair j of the row: expert
+# inds[t][j]'s down row n against the pair's activations, read in place (product rounded to
+# T, times its routing weight rounded to T, as `routed * weights` in T); thread 0 sums the
+# experts' terms in order in fp32 and stores T (__STORE__: with the shared expert's output
+# added where it is given or runs here, its pair's warp last). A warp per (output, pair)
+# keeps each warp to one row's loads: 2,560 x 11 warps a Flash-Next step, where a warp per
+# output walking its 10 experts in turn waited on each (37 us a layer under ncu, session 29).
 _DOWN = """
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = blockIdx.y;
-    const int n = blockIdx.x * __WARPS__ + warp;
-    __shared__ __align__(16) float hs[PAIRS * I];
-    for (int i = threadIdx.x; i < PAIRS * I; i += __THREADS__)
-        hs[i] = static_cast<float>(h[(long long)t * PAIRS * I + i]);
-    __syncthreads();
-    if (n >= H) return;
+    const int lane = threadIdx.x & 31, j = threadIdx.x >> 5;
+    const int n = blockIdx.x, t = blockIdx.y;
+    __shared__ float terms[PAIRS];
     constexpr int WORDS = I / 8, GROUPS = I / G;
-    float total = 0.0f;
-#pragma unroll
-    for (int j = 0; j < KT; ++j) {
+    const T* hs = h + ((long long)t * PAIRS + j) * I;
+    if (j < KT) {
         const long long row = (long long)inds[t * KT + j] * H + n;
         const float sum = qwen38_experts::dot<T, I, G>(
-            w + row * WORDS, scales + row * GROUPS, biases + row * GROUPS, hs + j * I, lane);
-        const T y = T(sum), wt = T(weights[t * KT + j]);
-        total += static_cast<float>(T(static_cast<float>(y) * static_cast<float>(wt)));
+            w + row * WORDS, scales + row * GROUPS, biases + row * GROUPS, hs, lane);
+        const float y = static_cast<float>(T(sum)), wt = static_cast<float>(T(weights[t * KT + j]));
+        if (lane == 0) terms[j] = static_cast<float>(T(y * wt));
     }
     __SHARED_DOWN__
-    if (lane == 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+#pragma unroll
+        for (int e = 0; e < KT; ++e) total += terms[e];
         const long long i = (long long)t * H + n;
         __STORE__
     }
@@ -162,11 +179,14 @@ _ADD_SHARED = """using namespace mlx::core::cu;
 STORES = {
     "": "out[i] = T(total);",
     "values": _ADD_SHARED.replace("__SHARED__", "shared[i]"),
-    "weights": _ADD_SHARED.replace("__SHARED__", "T(shared_sum)"),
+    "weights": _ADD_SHARED.replace("__SHARED__", "T(terms[KT])"),
 }
 _SHARED_DOWN = {
-    "weights": "const float shared_sum = qwen38_experts::dense_dot<T, I>(\n"
-    "        shared_down + (long long)n * I, hs + KT * I, lane);",
+    "weights": "if (j == KT) {\n"
+    "        const float shared_sum = qwen38_experts::dense_dot<T, I>(\n"
+    "            shared_down + (long long)n * I, hs, lane);\n"
+    "        if (lane == 0) terms[KT] = shared_sum;\n"
+    "    }",
 }
 SHARED_INPUTS = {
     "": [],
@@ -248,8 +268,8 @@ def routed_sum(
     (out,) = _down_kernel(form)(
         inputs=[h, inds, weights, down["weight"], down["scales"], down["biases"], *extra],
         template=template,
-        grid=(-(-hidden // WARPS) * THREADS, T_, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(hidden * pairs * 32, T_, 1),
+        threadgroup=(pairs * 32, 1, 1),
         output_shapes=[(T_, hidden)],
         output_dtypes=[dtype],
     )
@@ -259,8 +279,8 @@ def routed_sum(
 def fits(x: mx.array, experts, k: int) -> bool:
     """Whether these operands suit the kernels (shapes, dtypes, 4-bit affine; not the probe):
     x's and the scales' half precision, every row's words a whole number of lanes' float4
-    pairs of x, groups of whole words, the row's k activations and the shared expert's in
-    shared memory."""
+    pairs of x, groups of whole words, x's row in shared memory, a warp per pair in a
+    block."""
     if getattr(experts, "bits", None) != 4 or getattr(experts, "mode", "affine") != "affine":
         return False
     gu, dn = experts.gate_up_proj, experts.down_proj
@@ -274,7 +294,8 @@ def fits(x: mx.array, experts, k: int) -> bool:
         and g % 8 == 0
         and hidden % g == 0
         and inter % g == 0
-        and max((k + 1) * inter, hidden) * 4 <= 48 * 1024
+        and hidden * 4 <= 48 * 1024
+        and (k + 1) * 32 <= 1024
     )
 
 
