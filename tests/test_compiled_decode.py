@@ -293,3 +293,21 @@ def test_residual_step_sums_once_per_consumer():
     before, after = nodes(plain), nodes(fused)
     assert before.count("Add") == 2 and "Add" not in after  # the shared sum, the last add
     assert len(after) == len(before) - 1
+
+
+def test_swiglu_is_one_fused_node():
+    """layers.swiglu is compiled: silu(gate) * up reaches the graph as one Compiled node (a
+    decorator lost in an edit once made it three kernels a call on a GPU)."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from qwen38_backend.models.layers import swiglu
+
+    gate, up = (mx.random.normal((1, 32), key=mx.random.key(k)) for k in (1, 2))
+    mx.eval(gate, up)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "g.dot"
+        mx.export_to_dot(str(path), swiglu(gate, up))
+        labels = re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', path.read_text())
+    assert len(labels) == 1 and labels[0].startswith("Compiled"), labels

@@ -420,7 +420,6 @@ def residual_step(
     return mlp(s, residual=s, dtype=s.dtype, norm=norm)
 
 
-@mx.compile
 def sum_fp32(x: mx.array, axis: int) -> mx.array:
     """x summed over `axis` in fp32, rounded once to x's dtype: as the CPU and torch sum
     half types. MLX's CUDA sum accumulates in the half type itself (a bf16 mean of four
@@ -428,6 +427,7 @@ def sum_fp32(x: mx.array, axis: int) -> mx.array:
     return x.astype(mx.float32).sum(axis=axis).astype(x.dtype)
 
 
+@mx.compile
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up as one fused kernel."""
     return nn.silu(gate) * up
