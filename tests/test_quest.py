@@ -291,3 +291,43 @@ def test_key_scores_invert_order_keys():
     ).astype(np.float32)
     got = np.array(key_scores(order_keys(mx.array(values))))
     np.testing.assert_array_equal(got, values + np.float32(0.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 200),
+    st.integers(1, 80),
+    st.sampled_from([4, 16, 64]),
+    st.integers(0, 2**31 - 1),
+)
+def test_top_pages_in_rounds_is_the_top_set(rows, n, n_select, round_pages, seed):
+    """top_pages' two rounds (the best of each chunk, then the best of those) give the
+    brute-force top n_select by (score, then lower page id), ties included, for any chunk
+    size against the row's length (a partial last chunk, n_select past a chunk)."""
+    import qwen38_backend.kv.quest as quest
+
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(-3, 4, size=(rows, n)).astype(np.float32)  # many ties
+    keys = order_keys(mx.array(scores))
+    saved = quest.TOP_ROUND
+    quest.TOP_ROUND = round_pages
+    try:
+        got = np.array(quest.top_pages(keys, n_select))
+    finally:
+        quest.TOP_ROUND = saved
+    k = min(n_select, n)
+    for r in range(rows):
+        order = sorted(range(n), key=lambda i: (-scores[r, i], i))
+        np.testing.assert_array_equal(got[r], np.sort(order[:k]))
+
+
+def test_top_pages_at_a_131k_page_count():
+    """4,096 pages (131K tokens of 32-token pages), 64 chosen: the rounds' answer is one
+    argpartition's over the whole row."""
+    from qwen38_backend.kv.quest import top_pages
+
+    scores = mx.random.normal((2, 4096), key=mx.random.key(9))
+    keys = order_keys(scores)
+    one = mx.sort(mx.argpartition(~keys, kth=63, axis=-1)[..., :64].astype(mx.int32), axis=-1)
+    assert mx.array_equal(top_pages(keys, 64), one).item()
