@@ -311,3 +311,25 @@ def test_swiglu_is_one_fused_node():
         mx.export_to_dot(str(path), swiglu(gate, up))
         labels = re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', path.read_text())
     assert len(labels) == 1 and labels[0].startswith("Compiled"), labels
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_sum_fp32_adds_in_fp32_in_order_and_rounds_once(dtype):
+    """layers.sum_fp32 (the MoE's weighted sum, the streams' mean): the CPU's own sum bit
+    for bit, over a middle or an inner axis; and it rounds once, at the end: 1 and four
+    quarter-ulps sum to the next value of the dtype, where a sum rounded add by add (MLX's
+    CUDA sum of a half type) stays at 1."""
+    from qwen38_backend.models.layers import sum_fp32
+
+    x = (3 * mx.random.normal((6, 10, 64), key=mx.random.key(2))).astype(dtype)
+    for axis in (1, -2, -1):
+        assert mx.array_equal(sum_fp32(x, axis), x.sum(axis=axis)).item(), axis
+    if dtype == mx.float32:
+        return
+    ulp = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
+    column = mx.array([1.0] + [ulp / 4] * 4, dtype=dtype)[None, :, None]
+    assert sum_fp32(column, 1).item() == 1.0 + ulp
+    stepwise = column[:, 0]
+    for j in range(1, 5):
+        stepwise = stepwise + column[:, j]  # each add rounded to the dtype
+    assert stepwise.item() == 1.0

@@ -420,11 +420,18 @@ def residual_step(
     return mlp(s, residual=s, dtype=s.dtype, norm=norm)
 
 
+@mx.compile
 def sum_fp32(x: mx.array, axis: int) -> mx.array:
-    """x summed over `axis` in fp32, rounded once to x's dtype: as the CPU and torch sum
-    half types. MLX's CUDA sum accumulates in the half type itself (a bf16 mean of four
-    differs in ~1/3 of its values), so the op path asks for fp32 and the GPU agrees."""
-    return x.astype(mx.float32).sum(axis=axis).astype(x.dtype)
+    """x summed over `axis` in fp32 in index order, rounded once to x's dtype: as the CPU
+    sums half types (bit for bit) and as the stream-mix and expert kernels sum. MLX's CUDA
+    sum accumulates in the half type itself (a bf16 mean of four differs in ~1/3 of its
+    values). One fused kernel: the parts are read in place, never copied to fp32 whole (a
+    prefill chunk's [T, k, H] routed outputs would double)."""
+    parts = mx.split(x, x.shape[axis], axis=axis)
+    total = parts[0].astype(mx.float32)
+    for part in parts[1:]:
+        total = total + part.astype(mx.float32)
+    return total.squeeze(axis).astype(x.dtype)
 
 
 @mx.compile
