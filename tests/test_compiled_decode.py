@@ -281,14 +281,7 @@ def test_residual_step_sums_once_per_consumer():
     assert mx.array_equal(got.astype(mx.bfloat16).astype(mx.float32), got).item()
 
     def nodes(fn) -> list[str]:
-        import re
-        import tempfile
-        from pathlib import Path
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "g.dot"
-            mx.export_to_dot(str(path), mx.compile(fn)(h, a))
-            return re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', path.read_text())
+        return _graph_labels(mx.compile(fn)(h, a))
 
     before, after = nodes(plain), nodes(fused)
     assert before.count("Add") == 2 and "Add" not in after  # the shared sum, the last add
@@ -298,18 +291,11 @@ def test_residual_step_sums_once_per_consumer():
 def test_swiglu_is_one_fused_node():
     """layers.swiglu is compiled: silu(gate) * up reaches the graph as one Compiled node (a
     decorator lost in an edit once made it three kernels a call on a GPU)."""
-    import re
-    import tempfile
-    from pathlib import Path
-
     from qwen38_backend.models.layers import swiglu
 
     gate, up = (mx.random.normal((1, 32), key=mx.random.key(k)) for k in (1, 2))
     mx.eval(gate, up)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "g.dot"
-        mx.export_to_dot(str(path), swiglu(gate, up))
-        labels = re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', path.read_text())
+    labels = _graph_labels(swiglu(gate, up))
     assert len(labels) == 1 and labels[0].startswith("Compiled"), labels
 
 
@@ -333,3 +319,15 @@ def test_sum_fp32_adds_in_fp32_in_order_and_rounds_once(dtype):
     for j in range(1, 5):
         stepwise = stepwise + column[:, j]  # each add rounded to the dtype
     assert stepwise.item() == 1.0
+
+
+def _graph_labels(out: mx.array) -> list[str]:
+    """The primitives of out's graph (mx.export_to_dot's node labels)."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "g.dot"
+        mx.export_to_dot(str(path), out)
+        return re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', path.read_text())
