@@ -1,5 +1,6 @@
 """What one decode step hands MLX: its graph's nodes by primitive, and the host's time to
-build it and to queue it (Qwen3.8-27B dims, random weights; any device).
+build it and to queue it (Qwen3.8-27B dims, or Flash-Next's with `--dims flash`: 4-bit
+experts; random weights; any device).
 
     python benchmarks/probe_step_graph.py --layers 4 --out step_graph.json
 
@@ -17,6 +18,10 @@ and the wait in `item()`: a wait near zero means the host bounds the token.
 `--device N` (a GPU) measures a step's device time with the host out of the way: a spin
 kernel of fixed length is queued first, the whole step is built and queued while the device
 spins, then the step's wall time past the spin alone is its device time (median of N).
+With `--dims flash` every step also reads the previous token back to the host (the PLE
+layer's n-gram rows are looked up there), so a pipelined token's build includes that wait:
+a token near build (ids already on the host, `build_ms`) + device time says the two do not
+overlap.
 `--rows-kernel off` runs one-row products in MLX's gemv instead (bench_gpu_27b.py's
 `--mlx-gemv-steps`: a measurement, not an engine mode).
 """
@@ -161,8 +166,9 @@ def pipelined_split(model, state, logits, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
+    ap.add_argument("--dims", default="27b", choices=["27b", "tiny", "flash"])
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=512, help="--dims flash: experts per layer")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--kv-topk", type=int, default=0, help="paged Quest with this budget")
@@ -180,7 +186,14 @@ def main() -> None:
     from qwen38_backend import rows
 
     os.environ["QWEN38_ROWS_KERNEL"] = args.rows_kernel
-    model, config, _ = random_model(args.dims, args.layers, args.dtype)
+    if args.dims == "flash":
+        from bench_qsa_depth import flash_config
+        from bench_qsa_depth import random_model as flash_model
+
+        config = flash_config("flash", args.layers, args.experts, None)
+        model, _ = flash_model(config, args.dtype, 0, experts_bits=4)
+    else:
+        model, config, _ = random_model(args.dims, args.layers, args.dtype)
     kv = {"kv_paged": "on", "kv_topk": args.kv_topk} if args.kv_topk else {}
     state = model.new_state(**kv)
     with rows.unpadded() if args.rows_kernel == "off" else nullcontext():
@@ -213,6 +226,7 @@ def measure(args, model, config, state, kv: dict) -> dict:
         "environment": environment(),
         "dims": args.dims,
         "layers": args.layers,
+        "experts": args.experts if args.dims == "flash" else None,
         "context": args.context,
         "kv": kv,
         "build_ms": 1e3 * statistics.median(builds),
