@@ -246,7 +246,9 @@ def measure(args, model, config, state, kv: dict) -> dict:
         result["pipelined_ms"] = pipelined_split(model, state, prefill_logits, args.pipelined)
         print(f"pipelined: {result['pipelined_ms']}", file=sys.stderr)
     if args.device:
-        result["device"] = device_ms(model, state, token, args.device)
+        # the spin must outlast the host's build of a whole step (~25 ms for Flash-Next)
+        spin_ms = 100.0 if args.dims == "flash" else 40.0
+        result["device"] = device_ms(model, state, token, args.device, spin_ms)
         print(f"device: {result['device']}", file=sys.stderr)
     return result
 
