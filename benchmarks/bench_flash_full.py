@@ -28,7 +28,8 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
 - with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
   on (routing, stream mixes, routed experts: kernels/moe_route.py, stream_mix.py,
   expert_qmv.py; the rest off), the sets taking turns run by run, the layers that chose
-  them, and whether the tokens are the default's;
+  them, whether the tokens are the default's and the first that is not (against the
+  default's gap between its two largest logits at each step, "margins");
 - the bytes a decoded token reads (formula in the JSON, "bytes_per_token") and its bound at
   --bandwidth-gbps (default: 4.8 TB/s on an H200, measured on the CPU), decode as % of bound;
 - prefill tok/s at the other --prefill lengths, a fresh state each; a length whose projected
@@ -175,6 +176,26 @@ def by_stride(args, model, state, first: int, want: list[int], bound: float) -> 
 STEP_KERNELS = {"route": "ROUTE", "stream": "STREAM", "expert": "EXPERT"}
 
 
+def greedy_margins(model, state, first: int, n: int) -> list[float]:
+    """Per greedy step from `first` (untimed): the gap between its two largest logits in
+    fp32, how near the step is to a tie that another order of sums could flip."""
+    import mlx.core as mx
+
+    gaps, tok = [], first
+    for _ in range(n):
+        last = model.forward([tok], state, last_only=True)
+        row = last.reshape(-1, last.shape[-1])[-1].astype(mx.float32)
+        top = mx.sort(row)[-2:]
+        gaps.append((top[1] - top[0]).item())
+        tok = int(mx.argmax(row).item())
+    return gaps
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The index of the first token where `got` leaves `want` (None: the same tokens)."""
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+
+
 def switch_step_kernels(model, chosen: set[str]) -> None:
     """Switch Flash-Next's step kernels (QWEN38_<ROUTE|STREAM|EXPERT>_KERNEL) to auto for
     `chosen`, off for the rest, and make the model decide and trace its steps again: each
@@ -245,6 +266,8 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
             "percent_of_bound": 100 * median / bound,
             "runs_identical": all(t == tokens[variant][0] for t in tokens[variant]),
             "same_tokens_as_default": tokens[variant][0] == want,
+            "first_difference": first_difference(tokens[variant][0], want),
+            "decoded": tokens[variant][0],
             "layers_choosing": chose[variant],
             "layers": len(layers),
         }
@@ -362,8 +385,10 @@ def main() -> None:
         "tokens_per_second": {"median": median, "runs": runs},
         "runs_identical": all(o == outs[0] for o in outs),
         "decoded": outs[0],
+        "margins": greedy_margins(model, state, first, args.decode),
         "state_bytes": state.nbytes(),
     }
+    state.truncate(args.depth)
     result["bytes_per_token"] = reads
     result["decode_bound_tokens_per_second"] = bound
     result["decode_percent_of_bound"] = 100 * median / bound

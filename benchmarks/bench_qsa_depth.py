@@ -188,6 +188,14 @@ def random_model(
     return Model(net, read, dtype, name="flash-next-random"), nbytes
 
 
+def flash_model(layers: int, experts: int = 512, dtype_name: str = "bfloat16"):
+    """(Model, config): Flash-Next's real per-layer dims over `layers` layers, `experts`
+    experts a layer in 4-bit, the rest in `dtype_name`, random weights (the probes' model)."""
+    config = flash_config("flash", layers, experts, None)
+    model, _ = random_model(config, dtype_name, 0, experts_bits=4)
+    return model, config
+
+
 def prompt(length: int, vocab: int) -> list[int]:
     import numpy as np
 

@@ -187,11 +187,9 @@ def main() -> None:
 
     os.environ["QWEN38_ROWS_KERNEL"] = args.rows_kernel
     if args.dims == "flash":
-        from bench_qsa_depth import flash_config
-        from bench_qsa_depth import random_model as flash_model
+        from bench_qsa_depth import flash_model
 
-        config = flash_config("flash", args.layers, args.experts, None)
-        model, _ = flash_model(config, args.dtype, 0, experts_bits=4)
+        model, config = flash_model(args.layers, args.experts, args.dtype)
     else:
         model, config, _ = random_model(args.dims, args.layers, args.dtype)
     kv = {"kv_paged": "on", "kv_topk": args.kv_topk} if args.kv_topk else {}

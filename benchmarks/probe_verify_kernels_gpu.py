@@ -44,11 +44,9 @@ def run(args) -> None:
     from bench_gpu_27b import prompt, random_model
 
     if args.model == "flash":
-        from bench_qsa_depth import flash_config
-        from bench_qsa_depth import random_model as flash_model
+        from bench_qsa_depth import flash_model
 
-        config = flash_config("flash", args.layers, args.experts, None)
-        model, _ = flash_model(config, "bfloat16", 0, experts_bits=4)
+        model, config = flash_model(args.layers, args.experts)
     else:
         model, config, _ = random_model("27b", args.layers, "bfloat16")
     vocab = config["text_config"]["vocab_size"]

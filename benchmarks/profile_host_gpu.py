@@ -1,5 +1,6 @@
 """Where a decode step's host time goes, function by function (C++ frames of MLX included):
-a 27B-dims decode sampled by py-spy, then summarised.
+a 27B-dims decode (Flash-Next's with `--dims flash`: 4-bit experts) sampled by py-spy,
+then summarised.
 
     py-spy record --native -r 200 -f raw -o raw.txt -- \
         python benchmarks/profile_host_gpu.py --layers 64 --tokens 500
@@ -41,7 +42,12 @@ def run(args) -> None:
     import mlx.core as mx
     from bench_gpu_27b import decode_rate, decode_times, prompt, random_model
 
-    model, config, _ = random_model(args.dims, args.layers, "bfloat16")
+    if args.dims == "flash":
+        from bench_qsa_depth import flash_model
+
+        model, config = flash_model(args.layers, args.experts)
+    else:
+        model, config, _ = random_model(args.dims, args.layers, "bfloat16")
     state = model.new_state()
     logits = model.prefill(prompt(args.context, config["text_config"]["vocab_size"]), state)
     mx.eval(logits)
@@ -79,8 +85,9 @@ def summarize(raw: str, top: int = 250) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
+    ap.add_argument("--dims", default="27b", choices=["27b", "tiny", "flash"])
     ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--experts", type=int, default=512, help="--dims flash: experts per layer")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=500)
     ap.add_argument("--summarize", default=None, help="a py-spy raw file of a run of this script")

@@ -13,8 +13,10 @@ expert on ties, as torch.topk breaks them) pick the experts in descending order,
 weights are divided by their sum (added in that order) where the model renormalises. Every
 row is computed alone, so a verify's rows equal plain steps; `available()` probes the kernel
 against the op path once per shape (the same experts, weights within 16 fp32 ulps).
-Off by default (QWEN38_ROUTE_KERNEL=auto turns it on): on the H200 it gained 29.0 -> 29.4
-tok/s on a full Flash-Next step (session 29), within the runs' spread.
+On by default (QWEN38_ROUTE_KERNEL=auto; off: the op path): on the H200 a full Flash-Next
+step decoded 43.7 tok/s with it and the stream kernels against 42.1 with the stream kernels
+alone, 55.8 against 52.9 with the expert kernels too, the same tokens either way (session
+30, five interleaved runs a set: flash_full_step_kernels_s30.json).
 """
 
 from __future__ import annotations
@@ -159,10 +161,10 @@ def available(n_experts: int, top_k: int, normalize: bool, dtype: mx.Dtype) -> b
     routes as the op path does (moe.route: the same experts, weights within 16 fp32 ulps:
     the softmax's sum is added in another order)
     on random logits of this shape (probed once per shape and dtype); else False, warning
-    why. QWEN38_ROUTE_KERNEL: off (the default, see above) | auto | force (no probe)."""
+    why. QWEN38_ROUTE_KERNEL: auto (the default) | off | force (no probe)."""
     from qwen38_backend.models.moe import route as op_route
 
-    decided = switched("QWEN38_ROUTE_KERNEL", supported, "off")
+    decided = switched("QWEN38_ROUTE_KERNEL", supported)
     if decided is not None:
         return decided
     rows = 6

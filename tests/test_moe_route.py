@@ -55,11 +55,11 @@ def _moe() -> SparseMoE:
 
 
 def test_the_layer_routes_with_ops_where_the_kernel_is_off(monkeypatch):
-    """Off by default, and unavailable off CUDA even when switched on: prepare_decode
-    chooses nothing and route() is moe.route over the router's logits, bit for bit."""
+    """Switched off, or unavailable off CUDA when on (the default): prepare_decode chooses
+    nothing and route() is moe.route over the router's logits, bit for bit."""
     moe = _moe()
     x = mx.random.normal((3, 64), key=mx.random.key(4))
-    for value in (None, "auto"):
+    for value in (None, "auto", "off"):
         if value is None:
             monkeypatch.delenv("QWEN38_ROUTE_KERNEL", raising=False)
         else:

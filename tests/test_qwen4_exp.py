@@ -328,6 +328,26 @@ def test_ple_eos_resets_ngram_context():
     assert a[4, 8] == ((80 * 3) ^ (70 * 5) ^ (eos * 7)) % sizes[8] + offs[8]
 
 
+@pytest.mark.parametrize("join", [True, False])
+def test_ngram_table_of_arrays_gathers_rows_in_order(join, monkeypatch):
+    """An in-process table (MLX-array shards, joined into one or not): the rows come back in
+    the order asked, across shards and repeats, as the concatenated table's rows in fp32."""
+    from qwen38_backend.models import ple
+
+    if not join:
+        monkeypatch.setattr(ple, "JOIN_BYTES", 0)
+    rng = np.random.default_rng(5)
+    shards = [rng.standard_normal((n, 6)).astype(np.float16) for n in (7, 3, 11, 5)]
+    table = ple.NgramTable.from_arrays([mx.array(s) for s in shards])
+    assert len(table.shards) == (1 if join else 4)
+    rows = np.array([[25, 0, 9], [8, 8, 24], [12, 3, 10]], np.int64)  # shards 3 0 1 / 1 1 3 ...
+    got = np.array(table.gather(rows))
+    assert got.dtype == np.float32 and got.shape == (3, 3, 6)
+    np.testing.assert_array_equal(got, np.concatenate(shards).astype(np.float32)[rows])
+    with pytest.raises(WeightsError, match="out of range"):
+        table.gather(np.array([26], np.int64))
+
+
 def test_ple_buffer_mismatch_is_a_clear_error(weights_dir, tmp_path):
     from qwen38_backend.loading import read_weights
     from qwen38_backend.models import build_model

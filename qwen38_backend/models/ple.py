@@ -102,6 +102,9 @@ def ngram_rows(
 
 # ----- the table -------------------------------------------------------------------------------
 _DT = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+# MLX-array shards up to this size are joined into one (a real table, ~102 GB, is
+# memory-mapped from its checkpoint instead: from_safetensors)
+JOIN_BYTES = 1 << 30
 
 
 def _to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -122,7 +125,13 @@ class NgramTable:
 
     @classmethod
     def from_arrays(cls, shards: list[mx.array]) -> NgramTable:
-        return cls(list(shards))
+        """Shards held as MLX arrays (weights built in process, not a checkpoint directory):
+        joined into one array when small, so a step's rows are one gather, not one per
+        shard plus the copies that put them back in order."""
+        shards = list(shards)
+        if len(shards) > 1 and sum(s.nbytes for s in shards) <= JOIN_BYTES:
+            shards = [mx.concatenate(shards, axis=0)]
+        return cls(shards)
 
     @classmethod
     def from_safetensors(cls, directory: Path, pattern: re.Pattern) -> NgramTable | None:
@@ -165,15 +174,15 @@ class NgramTable:
             raise WeightsError(f"n-gram row out of range (table has {self.rows} rows)")
         shard = np.searchsorted(self.ends, flat, side="right")
         local = flat - np.concatenate([[0], self.ends[:-1]])[shard]
-        if self.dtypes is None:  # MLX arrays: one gather per touched shard, in MLX
-            parts, where = [], []
-            for s in np.unique(shard):
-                sel = np.nonzero(shard == s)[0]
-                parts.append(mx.take(self.shards[s], mx.array(local[sel]), axis=0))
-                where.append(sel)
-            out = mx.concatenate(parts, axis=0).astype(mx.float32)
-            inv = np.argsort(np.concatenate(where))
-            return out[mx.array(inv)].reshape(*rows.shape, self.dim)
+        if self.dtypes is None:  # MLX arrays: one gather per run of rows in one shard
+            starts = np.flatnonzero(np.diff(shard, prepend=-1))
+            ends = [*starts[1:], flat.size]
+            parts = [
+                mx.take(self.shards[shard[a]], mx.array(local[a:b]), axis=0)
+                for a, b in zip(starts, ends, strict=True)
+            ]
+            out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+            return out.astype(mx.float32).reshape(*rows.shape, self.dim)
         out = np.empty((flat.size, self.dim), np.float32)
         for s in np.unique(shard):
             sel = np.nonzero(shard == s)[0]
