@@ -15,10 +15,12 @@ two elementwise ones after it.
 Every (row, expert) pair is computed alone, by the same instructions whatever the row count,
 so a speculative verify's rows equal plain steps. The sums run in another order than MLX's
 qmv (fp32 either way); `available()` probes the pair against the op path (gather_qmm, silu,
-the weighted sum) once per shape and dtype. Off by default (QWEN38_EXPERT_KERNEL=auto turns
-it on): on the H200 a full Flash-Next step decoded 32.6 tok/s with them against 29.0 without,
-but 35.0 with all three step kernels against 38.9 with the stream kernels alone (session 29,
-runs spread 29-39), which an interleaved A/B has to settle.
+the weighted sum) once per shape and dtype. On by default (QWEN38_EXPERT_KERNEL=auto; off:
+the op path): on the H200 a full Flash-Next step decoded 47.2 tok/s with them and the
+routing and stream kernels against 40.9 without them, and 55.8 against 43.7 in a second
+call (session 30, five interleaved runs a set: flash_full_step_kernels_s30*.json). The
+random model's greedy tokens leave the op path's at a step whose two largest logits are
+equal in bf16 (a gap of 0), where any other order of sums may pick the other one.
 """
 
 from __future__ import annotations
@@ -323,8 +325,8 @@ def available(hidden: int, inter: int, n_experts: int, k: int, group: int, dtype
     result is close to the op path (gather_qmm, silu(gate) * up, the weighted sum; plus the
     shared expert's gated output, given or run on the last pair) on random experts of this
     shape (probed once per shape); else False, warning why.
-    QWEN38_EXPERT_KERNEL: off (the default, see above) | auto | force (skip the probe)."""
-    decided = switched("QWEN38_EXPERT_KERNEL", supported, "off")
+    QWEN38_EXPERT_KERNEL: auto (the default) | off | force (skip the probe)."""
+    decided = switched("QWEN38_EXPERT_KERNEL", supported)
     if decided is not None:
         return decided
     keys = mx.random.split(mx.random.key(23), 9)

@@ -56,7 +56,9 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 # Block b: row t = b / S, stream s = b % S; template H (a stream's width), S. __VALUE__ is
 # element i of the stream as the norm reads it (x's, or with CLOSED the closed stream's:
-# x + inj[s] * out, each op rounded to T, also stored in `closed` by __KEEP__).
+# x + inj[s] * out with MLX's device ops, also stored in `closed` by __KEEP__; on the H200
+# that rounds once, as a compiled step's fused close does, where MLX's eager ops round the
+# product first: session 30).
 _NORM = """
     constexpr int WARPS = __THREADS__ / 32;
     const int t = blockIdx.x / S, s = blockIdx.x % S;

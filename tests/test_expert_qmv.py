@@ -60,14 +60,20 @@ def test_the_kernels_layout_is_the_op_paths(rows):
 
 
 def test_the_layer_keeps_its_op_path_where_the_kernels_are_off(monkeypatch):
-    """Off by default: prepare_decode chooses nothing and the routed experts run as ops."""
-    monkeypatch.delenv("QWEN38_EXPERT_KERNEL", raising=False)
+    """Switched off, or unavailable off CUDA when on (the default): prepare_decode chooses
+    nothing and the routed experts run as ops."""
+    for value in (None, "auto", "off"):
+        if value is None:
+            monkeypatch.delenv("QWEN38_EXPERT_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("QWEN38_EXPERT_KERNEL", value)
+        kernel.available.cache_clear()
+        moe = _moe()
+        moe.prepare_decode()
+        assert moe._kernel_for == ""
+        x = mx.random.normal((2, 256), key=mx.random.key(5))
+        assert not moe._fused(x)
     kernel.available.cache_clear()
-    moe = _moe()
-    moe.prepare_decode()
-    assert moe._kernel_for == ""
-    x = mx.random.normal((2, 256), key=mx.random.key(5))
-    assert not moe._fused(x)
 
 
 def test_unknown_switch_values_are_refused(monkeypatch):

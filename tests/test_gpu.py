@@ -689,7 +689,7 @@ def test_expert_kernels_match_the_op_path(dtype, monkeypatch):
     expert's output added in them and with the shared expert run in them."""
     from qwen38_backend.kernels import expert_qmv as kernel
 
-    monkeypatch.setenv("QWEN38_EXPERT_KERNEL", "auto")  # off by default until measured
+    monkeypatch.setenv("QWEN38_EXPERT_KERNEL", "auto")  # the default, set for a run with it off
     kernel.available.cache_clear()
     assert kernel.available(2560, 640, 64, 10, 64, dtype)
     moe = random_moe(2560, 64, 10, 640, seed=9)
@@ -816,7 +816,11 @@ def test_stream_mix_kernels_match_the_op_path(dtype, monkeypatch):
         closed, closed_normed = kernel.closed_norm(x, inj, out, weight, 4, 1e-6)
         assert mx.array_equal(closed_normed, kernel.norm(closed, weight, 4, 1e-6)).item()
         got = (normed, gate, inj, mixed, closed)
-        mine = (*want[:3], stream_mean(up, normed, 4), stream_close(x, inj, out))
+        # the close as a step computes it: inside a compiled graph, whose fused kernel on
+        # CUDA rounds x + inj * out once, as the kernel does (session 30: the eager ops
+        # round the product first and equal it in ~73% of half-precision values)
+        closes = mx.compile(stream_close)(x, inj, out)
+        mine = (*want[:3], stream_mean(up, normed, 4), closes)
         names = ("norm", "gate", "inject", "mix", "close")
         for name, g, w in zip(names, got, mine, strict=True):
             assert within_ulps(g, w, kernel.tolerance(dtype)), name
