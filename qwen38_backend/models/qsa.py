@@ -455,10 +455,15 @@ class QSAAttention(Attention):
             tail = mx.array(list(range(start, offset + 1)), dtype=mx.int32)
             at = mx.array(offset, dtype=mx.int32)  # an input of the compiled selection
             idx = decode_tokens_step(self.ratio, self.n_blocks)(qi, st.pooled, at, tail)
-            keys, values = st.kv.gather(idx)
-            return mx.fast.scaled_dot_product_attention(
-                q, keys[None], values[None], scale=self.scale
+            keys, values = st.kv.gather(idx)  # [Hkv, W, D]
+            # each KV head's query heads as its rows (every query sees every gathered key):
+            # no GQA broadcast of the keys to all query heads (on CUDA a ~25 MB copy a layer)
+            hkv = keys.shape[0]
+            rows = q.reshape(1, hkv, self.n_heads // hkv, q.shape[-1])
+            out = mx.fast.scaled_dot_product_attention(
+                rows, keys[None], values[None], scale=self.scale
             )
+            return out.reshape(q.shape)
         per_query = query_bytes(
             self.n_kv_heads,
             self.head_dim,
