@@ -24,6 +24,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kv.one_token import attend_gathered
 from ..rows import STEP_MAX_ROWS, per_row
 from ..state import RewindError
 from .layers import Attention, RMSNorm, RopeSpec, compiled
@@ -456,14 +457,7 @@ class QSAAttention(Attention):
             at = mx.array(offset, dtype=mx.int32)  # an input of the compiled selection
             idx = decode_tokens_step(self.ratio, self.n_blocks)(qi, st.pooled, at, tail)
             keys, values = st.kv.gather(idx)  # [Hkv, W, D]
-            # each KV head's query heads as its rows (every query sees every gathered key):
-            # no GQA broadcast of the keys to all query heads (on CUDA a ~25 MB copy a layer)
-            hkv = keys.shape[0]
-            rows = q.reshape(1, hkv, self.n_heads // hkv, q.shape[-1])
-            out = mx.fast.scaled_dot_product_attention(
-                rows, keys[None], values[None], scale=self.scale
-            )
-            return out.reshape(q.shape)
+            return attend_gathered(q, keys[None], values[None], self.scale)
         per_query = query_bytes(
             self.n_kv_heads,
             self.head_dim,
