@@ -202,28 +202,6 @@ def test_decode_attention_kernel_matches_sdpa(dtype, length):
     _check_decode_attention(kernel, 24, 4, length, 256, dtype, "store", seed=length)
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-def test_qsa_gathered_attention_runs_the_kernel_in_parts(dtype):
-    """Flash-Next's QSA step attention (24 query heads over 2 KV heads, D 256: 12 a KV head,
-    more than the kernel takes at once) over its gathered ~2,051 keys: the kernel runs on
-    parts of the heads, and the output agrees with the MLX op and fp32 math."""
-    from qwen38_backend.kv import one_token
-
-    kernel = _decode_kernel()
-    q = mx.random.normal((1, 24, 1, 256), key=mx.random.key(5)).astype(dtype)
-    k, v = _kv_views(2, 2051, 256, dtype, 5, "gathered")
-    assert one_token._head_parts(kernel, q, k, v) > 1
-    scale = 256**-0.5
-    got = one_token.attend_gathered(q, k, v, scale)
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-    qf, kf, vf = (x.astype(mx.float32) for x in (q, k, v))
-    p = mx.softmax((qf.reshape(2, 12, 256) @ kf[0].swapaxes(-1, -2)) * scale, axis=-1)
-    exact = (p @ vf[0]).reshape(1, 24, 1, 256)
-    assert got.shape == want.shape and got.dtype == dtype
-    assert kernel.mismatch(got, want) <= 1.0
-    assert kernel.mismatch(got, exact.astype(dtype)) <= 1.0
-
-
 @pytest.mark.parametrize("layout", ["pool", "gathered", "misaligned"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_decode_attention_kernel_layouts(layout, dtype):

@@ -18,38 +18,16 @@ def attend_one_token(q: mx.array, keys: mx.array, values: mx.array, scale: float
 
 def attend_gathered(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """One query token q [1, Hq, 1, D] over gathered keys / values [1, Hkv, W, D], every key
-    visible (QSA's selected tokens). The kernel where it takes the heads; where a KV head
-    has more query heads than it takes (Flash-Next: 12), in equal parts of them (the keys
-    read once per part: a few MB); else one MLX attention with each KV head's query heads
-    as its rows, so no key is broadcast to every query head (on CUDA a ~25 MB copy)."""
-    kernel = kernel_module("decode_attention")
+    visible (QSA's selected tokens): one MLX attention with each KV head's query heads as
+    its rows, so no key is broadcast to every query head (on CUDA a ~25 MB copy a layer).
+
+    Not the split-KV kernel: it takes at most 8 query heads a KV head (Flash-Next has 12);
+    run on two halves of them it cost the same device time over ~2,051 keys (H200, session
+    30: ~86 us a layer in 9 launches against ~100 us in 5) and more launches."""
     hkv, d = keys.shape[1], q.shape[-1]
-    group = q.shape[1] // hkv
-    parts = _head_parts(kernel, q, keys, values) if kernel is not None else 0
-    if parts == 1:
-        return kernel.decode_attention(q, keys, values, scale)
-    if parts > 1:
-        heads = q.reshape(1, hkv, parts, group // parts, d)
-        outs = [
-            kernel.decode_attention(heads[:, :, i].reshape(1, -1, 1, d), keys, values, scale)
-            for i in range(parts)
-        ]
-        out = mx.concatenate([o.reshape(1, hkv, 1, -1, d) for o in outs], axis=2)
-        return out.reshape(q.shape)
-    rows = q.reshape(1, hkv, group, d)
+    rows = q.reshape(1, hkv, q.shape[1] // hkv, d)
     out = mx.fast.scaled_dot_product_attention(rows, keys, values, scale=scale)
     return out.reshape(q.shape)
-
-
-def _head_parts(kernel, q: mx.array, keys: mx.array, values: mx.array) -> int:
-    """Into how many equal parts of each KV head's query heads the kernel takes q (the
-    fewest; 0: none)."""
-    hkv = keys.shape[1]
-    group = q.shape[1] // hkv
-    for parts in range(1, group + 1):
-        if group % parts == 0 and kernel.usable(q[:, : hkv * group // parts], keys, values):
-            return parts
-    return 0
 
 
 # False: the Quest path gathers its rows before the kernel even where the kernel could read
