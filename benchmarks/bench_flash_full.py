@@ -157,19 +157,29 @@ def decode_runs(args, model, state, first: int) -> tuple[list[float], list[list[
 def by_stride(args, model, state, first: int, want: list[int], bound: float) -> dict:
     """Decode tok/s (median of --runs) per hand-over stride: how often a step gives the
     layers built so far to the device (SequenceState.eager_layers; PLE's read-back of the
-    token ids makes a step wait for the previous one, so the rest is built after it)."""
+    token ids makes a step wait for the previous one, so the rest is built after it). The
+    strides take turns, one run each per round, as the step-kernel sets do: within one call
+    the machine's speed drifts by more than a stride changes it (session 30)."""
+    strides = args.eager_layers.split(",")
+    runs = {s: [] for s in strides}
+    tokens = {s: [] for s in strides}
+    for _ in range(args.runs):
+        for stride in strides:
+            os.environ["QWEN38_EAGER_LAYERS"] = stride
+            tps, toks, _ = decode(model, state, first, args.decode)
+            state.truncate(args.depth)
+            runs[stride].append(tps)
+            tokens[stride].append(toks)
+    os.environ.pop("QWEN38_EAGER_LAYERS", None)
     out = {}
-    for stride in args.eager_layers.split(","):
-        os.environ["QWEN38_EAGER_LAYERS"] = stride
-        runs, tokens = decode_runs(args, model, state, first)
-        median = statistics.median(runs)
+    for stride in strides:
+        median = statistics.median(runs[stride])
         out[stride] = {
-            "tokens_per_second": {"median": median, "runs": runs},
+            "tokens_per_second": {"median": median, "runs": runs[stride]},
             "percent_of_bound": 100 * median / bound,
-            "identical_to_default": all(t == want for t in tokens),
+            "identical_to_default": all(t == want for t in tokens[stride]),
         }
         log(f"decode, hand-over stride {stride}: {median:.2f} tok/s")
-    os.environ.pop("QWEN38_EAGER_LAYERS", None)
     return out
 
 
