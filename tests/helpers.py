@@ -93,3 +93,11 @@ def random_gated_residual(hidden: int, streams: int, low_rank: int, eps: float, 
     hc.block_inject_weight.weight = width**-0.5 * mx.random.normal(inject, key=keys[3])
     hc.fuse()
     return hc
+
+
+def set_switch(monkeypatch, variable: str, value: str | None) -> None:
+    """Set a kernel switch (QWEN38_*_KERNEL) for one test; None: unset (its default)."""
+    if value is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, value)

@@ -1,13 +1,13 @@
 """The expert kernels (kernels/expert_qmv.py) on the CPU: the layout their CUDA code assumes
 (MLX's 4-bit packing, groups, gate rows before up rows) against the MoE layer's op path, and
-the layer keeping that path where the kernels are off (their default) or cannot run."""
+the layer keeping that path where the kernels are off or cannot run (on by default)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import random_moe
+from helpers import random_moe, set_switch
 from qwen38_backend.kernels import expert_qmv as kernel
 
 from qwen38_backend.models.moe import SparseMoE
@@ -59,20 +59,17 @@ def test_the_kernels_layout_is_the_op_paths(rows):
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
-def test_the_layer_keeps_its_op_path_where_the_kernels_are_off(monkeypatch):
+@pytest.mark.parametrize("value", [None, "auto", "off"])
+def test_the_layer_keeps_its_op_path_where_the_kernels_are_off(monkeypatch, value):
     """Switched off, or unavailable off CUDA when on (the default): prepare_decode chooses
     nothing and the routed experts run as ops."""
-    for value in (None, "auto", "off"):
-        if value is None:
-            monkeypatch.delenv("QWEN38_EXPERT_KERNEL", raising=False)
-        else:
-            monkeypatch.setenv("QWEN38_EXPERT_KERNEL", value)
-        kernel.available.cache_clear()
-        moe = _moe()
-        moe.prepare_decode()
-        assert moe._kernel_for == ""
-        x = mx.random.normal((2, 256), key=mx.random.key(5))
-        assert not moe._fused(x)
+    set_switch(monkeypatch, "QWEN38_EXPERT_KERNEL", value)
+    kernel.available.cache_clear()
+    moe = _moe()
+    moe.prepare_decode()
+    assert moe._kernel_for == ""
+    x = mx.random.normal((2, 256), key=mx.random.key(5))
+    assert not moe._fused(x)
     kernel.available.cache_clear()
 
 

@@ -1,12 +1,13 @@
 """The routing kernel (kernels/moe_route.py) on the CPU: the comparison its probe makes, the
-shapes it takes, and the MoE layer keeping the op path where the kernel is off (its default)
-or cannot run. The kernel itself runs in tests/test_gpu.py (--run-gpu) and compiles in
+shapes it takes, and the MoE layer keeping the op path where the kernel is off or cannot
+run (on by default). The kernel itself runs in tests/test_gpu.py (--run-gpu) and compiles in
 tests/test_kernel_sources.py (--run-nvcc)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from helpers import set_switch
 from qwen38_backend.kernels import moe_route as kernel
 
 from qwen38_backend.models.moe import SparseMoE, route
@@ -54,24 +55,20 @@ def _moe() -> SparseMoE:
     return moe
 
 
-def test_the_layer_routes_with_ops_where_the_kernel_is_off(monkeypatch):
+@pytest.mark.parametrize("value", [None, "auto", "off"])
+def test_the_layer_routes_with_ops_where_the_kernel_is_off(monkeypatch, value):
     """Switched off, or unavailable off CUDA when on (the default): prepare_decode chooses
     nothing and route() is moe.route over the router's logits, bit for bit."""
     moe = _moe()
     x = mx.random.normal((3, 64), key=mx.random.key(4))
-    for value in (None, "auto", "off"):
-        if value is None:
-            monkeypatch.delenv("QWEN38_ROUTE_KERNEL", raising=False)
-        else:
-            monkeypatch.setenv("QWEN38_ROUTE_KERNEL", value)
-        kernel.available.cache_clear()
-        moe._checked = ""
-        moe.prepare_decode()
-        assert moe._route_for == ""
-        inds, weights = moe.route(x)
-        want_inds, want_weights = route(moe.gate(x), 4, True)
-        assert mx.array_equal(inds, want_inds).item()
-        assert mx.array_equal(weights, want_weights).item()
+    set_switch(monkeypatch, "QWEN38_ROUTE_KERNEL", value)
+    kernel.available.cache_clear()
+    moe.prepare_decode()
+    assert moe._route_for == ""
+    inds, weights = moe.route(x)
+    want_inds, want_weights = route(moe.gate(x), 4, True)
+    assert mx.array_equal(inds, want_inds).item()
+    assert mx.array_equal(weights, want_weights).item()
     kernel.available.cache_clear()
 
 

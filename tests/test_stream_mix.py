@@ -1,13 +1,13 @@
 """The stream-mix kernels (kernels/stream_mix.py) on the CPU: their reference is the gated
-residual's own op path, and the layer keeps that path where the kernels are off (their
-default) or cannot run. The kernels run in tests/test_gpu.py (--run-gpu) and compile in
+residual's own op path, and the layer keeps that path where the kernels are off or cannot
+run (on by default). The kernels run in tests/test_gpu.py (--run-gpu) and compile in
 tests/test_kernel_sources.py (--run-nvcc)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from helpers import random_gated_residual
+from helpers import random_gated_residual, set_switch
 from qwen38_backend.kernels import stream_mix as kernel
 
 from qwen38_backend.models.hyper_connections import GatedResidual, gate_down
@@ -42,10 +42,7 @@ def test_the_reference_is_the_layers_op_path():
 @pytest.mark.parametrize("value", [None, "auto", "off"])
 def test_the_layer_keeps_its_op_path_where_the_kernels_are_off(monkeypatch, value):
     """Off where switched off, and unavailable off CUDA when on (the default)."""
-    if value is None:
-        monkeypatch.delenv("QWEN38_STREAM_KERNEL", raising=False)
-    else:
-        monkeypatch.setenv("QWEN38_STREAM_KERNEL", value)
+    set_switch(monkeypatch, "QWEN38_STREAM_KERNEL", value)
     kernel.available.cache_clear()
     hc = _residual()
     hc.prepare_decode(mx.float32)
