@@ -58,14 +58,37 @@ def _arange_pow2(n: int) -> mx.array:
     return ids
 
 
+@cache
+def _rope_lanes(dims: int, theta: float, width: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Per feature of a `width`-wide vector whose first `dims` rotate: (its frequency, the
+    sign its partner's sine term takes, its partner's index), made once. Features past
+    `dims` get frequency 0 and sign 0: cos 1 and no partner term, so they pass unchanged."""
+    half = dims // 2
+    inv = _inv_freq(dims, theta)
+    rest = mx.zeros((width - dims,), mx.float32)
+    freq = mx.concatenate([inv, inv, rest])
+    sign = mx.concatenate([-mx.ones((half,)), mx.ones((half,)), rest])
+    partner = mx.array(
+        [j + half if j < half else j - half if j < dims else j for j in range(width)],
+        dtype=mx.int32,
+    )
+    mx.eval(freq, sign, partner)
+    return freq, sign, partner
+
+
 def rope_at(x: mx.array, positions: mx.array, dims: int, theta: float) -> mx.array:
-    """NeoX rotate-half RoPE on the first `dims` features; x [N, ..., D], positions [N]."""
-    ang = positions.astype(mx.float32)[:, None] * _inv_freq(dims, theta)[None, :]  # [N, dims/2]
-    shape = (ang.shape[0],) + (1,) * (x.ndim - 2) + (dims // 2,)
-    cos, sin = mx.cos(ang).reshape(shape), mx.sin(ang).reshape(shape)
-    xf = x.astype(mx.float32)
-    x1, x2 = xf[..., : dims // 2], xf[..., dims // 2 : dims]
-    out = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., dims:]], axis=-1)
+    """NeoX rotate-half RoPE on the first `dims` features; x [N, ..., D], positions [N].
+
+    x * cos + partner(x) * (+-sin) over every feature at once (x1 cos - x2 sin, x2 cos +
+    x1 sin: the same products and sums as the halves written out), so a compiled step runs
+    it as one gather (the partners) and one elementwise kernel instead of about ten
+    launches (sine, cosine, the halves' products, their concatenation, the casts)."""
+    width = x.shape[-1]
+    freq, sign, partner = _rope_lanes(dims, theta, width)
+    shape = (positions.shape[0],) + (1,) * (x.ndim - 2) + (width,)
+    ang = (positions.astype(mx.float32)[:, None] * freq[None, :]).reshape(shape)
+    swapped = mx.take(x, partner, axis=-1).astype(mx.float32)
+    out = x.astype(mx.float32) * mx.cos(ang) + swapped * (sign * mx.sin(ang))
     return out.astype(x.dtype)
 
 
