@@ -158,6 +158,8 @@ def parse(path: str, rows: list[int]) -> dict:
                 k: {"ms": v[0], "launches": v[1]}
                 for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])
             },
+            # launch order (name head, us): which layer part each kernel belongs to
+            "sequence": [[name[:90], round(ms * 1000, 2)] for name, ms in span],
         }
     return out
 
@@ -178,7 +180,7 @@ def main() -> None:
     ap.add_argument("--parse", default=None, help="an ncu CSV log of a run of this script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.parse:
+    if args.parse:  # pass the run's --model, --layers, --context: they label the JSON
         result = {"model": args.model, "layers": args.layers, "context": args.context}
         result["rows"] = parse(args.parse, args.rows)
         write_json(result, args.out)

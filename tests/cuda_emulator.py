@@ -4,10 +4,10 @@ a kernel's indexing, reductions and selection are checked against the op path on
 without a GPU, through the module's own launch code (grid, template, outputs).
 
 The emulation: blocks run one after another, each block's threads as fibers (ucontext) on
-one OS thread; `__syncthreads` and `__shfl_xor_sync` are barriers over the block / warp (a
-thread that returns leaves them; threads waiting at different ones abort the run);
-`__shared__` variables are statics (one block at a time); half types round to nearest even
-as CUDA converts. Device math is the C library's (no fast-math
+one OS thread; `__syncthreads`, `__shfl_xor_sync` and `__shfl_up_sync` are barriers over the
+block / warp (a thread that returns leaves them; threads waiting at different ones abort the
+run), so `atomicAdd` is a plain add; `__shared__` variables are statics (one block at a time);
+half types round to nearest even as CUDA converts. Device math is the C library's (no fast-math
 approximations), so results may differ from a GPU's in the last bits: tests compare with
 tolerances. Not emulated: dynamic shared memory, async copies, tensor-core instructions.
 """
@@ -129,6 +129,26 @@ template <typename V> V __shfl_xor_sync(unsigned, V v, int offset) {
   V r;
   std::memcpy(&r, &other, sizeof(V));
   return r;
+}
+
+// lane t reads lane t - delta's value (its own below delta), as CUDA's shuffle up
+template <typename V> V __shfl_up_sync(unsigned, V v, unsigned delta) {
+  const int t = emu_current;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(V));
+  emu_slots[t] = bits;
+  emu_wait(2);
+  const uint64_t other = (t & 31) >= int(delta) ? emu_slots[t - delta] : bits;
+  emu_wait(2);
+  V r;
+  std::memcpy(&r, &other, sizeof(V));
+  return r;
+}
+// fibers switch only at barriers, so a plain read-modify-write is atomic here
+template <typename V> V atomicAdd(V* at, V v) {
+  const V old = *at;
+  *at = old + v;
+  return old;
 }
 
 static void emu_entry() {

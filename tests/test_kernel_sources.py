@@ -22,6 +22,7 @@ from qwen38_backend.kernels import (
     jit,
     moe_route,
     qk_norm_rope,
+    qsa_select,
     quest_select,
     rows_matmul,
     stream_mix,
@@ -36,6 +37,7 @@ MODULES = (
     gdn_prefill,
     moe_route,
     qk_norm_rope,
+    qsa_select,
     quest_select,
     rows_matmul,
     stream_mix,
@@ -52,6 +54,7 @@ FACTORIES = (
     gdn_prefill._solve_kernel,
     moe_route._kernel,
     qk_norm_rope._kernel,
+    qsa_select._kernel,
     quest_select._keys_kernel,
     rows_matmul._kernel,
     rows_matmul._norm_kernel,
@@ -242,6 +245,15 @@ def test_quest_page_keys_compile(recorded, tmp_path):
     for shared in (0, 1):
         template = [("HKV", 4), ("D", 256), ("SINKS", 1), ("RECENT", 2), ("SHARED", shared)]
         compiles(tmp_path, kernel, types, template)
+
+
+def test_qsa_select_compiles(recorded, tmp_path):
+    qsa_select._kernel()
+    (kernel,) = recorded.values()
+    types = {"scores": "float", "tail": "int32_t", "tokens": "int32_t"}
+    # Flash-Next's 2,048-token budget in blocks of 4, with a causal tail or none
+    for tail in (0, 3):
+        compiles(tmp_path, kernel, types, [("N_SEL", 512), ("RATIO", 4), ("TAIL", tail)])
 
 
 @pytest.mark.parametrize("kind", ["solve", "scan"])

@@ -22,6 +22,7 @@ from qwen38_backend.kernels import (
     gdn_prefill,
     moe_route,
     qk_norm_rope,
+    qsa_select,
     quest_select,
     rows_matmul,
     stream_mix,
@@ -29,6 +30,7 @@ from qwen38_backend.kernels import (
 from qwen38_backend.kernels.qk_norm_rope import within_ulps
 
 from qwen38_backend.kv import quest
+from qwen38_backend.models import qsa
 from qwen38_backend.models.hyper_connections import stream_mean
 from qwen38_backend.models.moe import QuantizedExperts, route, weighted_experts
 
@@ -214,6 +216,78 @@ def test_flash_next_greedy_with_the_step_kernels(emulated, tmp_path, monkeypatch
             assert np.array_equal(rows[i], step), i
     finally:
         mx.enable_compile()
+
+
+# ----- QSA's decode selection (kernels/qsa_select.py) ---------------------------------------
+@pytest.fixture
+def emulated_select(monkeypatch):
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    emulate(monkeypatch, qsa_select)
+    monkeypatch.setenv("QWEN38_QSA_SELECT_KERNEL", "auto")
+    yield
+    clear_caches(qsa_select)
+
+
+@pytest.mark.parametrize(
+    "n, visible, n_blocks, width",
+    [
+        (40, 40, 40, 0),  # every block chosen
+        (300, 290, 7, 3),  # tied scores, masked slots
+        (2500, 2300, 512, 2),  # more blocks than threads: runs of 3 per thread
+        (1500, 1100, 1024, 1),  # ties across the boundary of a large choice
+    ],
+)
+def test_qsa_select_kernel_chooses_as_the_op_path(emulated_select, n, visible, n_blocks, width):
+    """Ties broken towards the lower block id (+-0.0 equal), -inf past the visible blocks,
+    more blocks than threads: the kernel's token ids are the op path's, and its probe
+    passes."""
+    for seed in range(2):
+        scores = qsa_select.probe_scores(n, visible, seed)
+        tail = mx.arange(width, dtype=mx.int32) + 4 * visible
+        got = qsa_select.decode_tokens(scores, tail, n_blocks, 4)
+        want = qsa.op_decode_tokens(scores, tail, n_blocks, 4)
+        assert got.tolist() == want.tolist()
+    assert qsa_select.available(n_blocks, 4)
+
+
+def test_qsa_select_kernel_refuses_a_wrong_answer(emulated_select, monkeypatch):
+    """The probe can fail: a kernel that breaks ties towards the higher block id is refused."""
+    source = qsa_select._SOURCE.replace("(0xFFFFFFFFull - (unsigned)i)", "(unsigned)i")
+    assert source != qsa_select._SOURCE
+    monkeypatch.setattr(qsa_select, "_SOURCE", source)
+    with pytest.warns(UserWarning, match="QSA selection kernel unavailable"):
+        assert not qsa_select.available(16, 4)
+
+
+def test_flash_next_greedy_with_the_qsa_select_kernel(emulated_select, tmp_path, monkeypatch):
+    """A tiny Flash-Next (fp32, 2-block budget; its traces uncompiled, so the emulated kernel
+    sees values) decoding past its dense threshold: its steps choose through the kernel, and
+    the greedy tokens are the op path's."""
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
+    prompt = [(7 * i + 3) % 200 + 2 for i in range(12)]
+    calls = []
+    real = qsa_select.decode_tokens
+    monkeypatch.setattr(qsa_select, "decode_tokens", lambda *a: calls.append(1) or real(*a))
+
+    def tokens(switch: str) -> list[int]:
+        monkeypatch.setenv("QWEN38_QSA_SELECT_KERNEL", switch)
+        qsa_select.available.cache_clear()
+        qsa._DECODE_TOKENS.clear()
+        model = qwen38_backend.load(str(path), dtype="float32")
+        return list(model.generate_tokens(prompt, max_tokens=6, stop_token_ids=[]))
+
+    mx.disable_compile()
+    try:
+        plain = tokens("off")
+        assert not calls
+        assert tokens("auto") == plain
+    finally:
+        mx.enable_compile()
+    assert len(calls) > 6  # the probe's calls, then the steps'
 
 
 # ----- kernels whose last changes have not yet run on a GPU (session 27) -------------------

@@ -24,6 +24,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernel_import import kernel_module
 from ..kv.one_token import attend_gathered
 from ..rows import STEP_MAX_ROWS, per_row
 from ..state import RewindError
@@ -174,19 +175,35 @@ def token_ids(
 
 
 def decode_tokens(
-    qi: mx.array, pooled: mx.array, offset: mx.array, tail: mx.array, ratio: int, n_blocks: int
+    qi: mx.array,
+    pooled: mx.array,
+    offset: mx.array,
+    tail: mx.array,
+    ratio: int,
+    n_blocks: int,
+    kernel: bool = False,
 ) -> mx.array:
     """Token ids one decoding query at `offset` (past the dense threshold) gathers: its
     n_blocks best visible blocks in ascending order, then `tail` (its causal tail 4 * nvis..p).
 
     qi [1, Hi, D]; `pooled` is the whole pooled-key buffer (rows from the visible blocks on are
     masked out) and `offset` an array, so the shapes change only with the buffer's capacity and
-    the tail's length: `decode_tokens_step` compiles it once per pair."""
+    the tail's length: `decode_tokens_step` compiles it once per pair. `kernel`: the choice
+    from the scores on runs as one CUDA launch (kernels/qsa_select.py, the same ids)."""
     cap = pooled.shape[0]
+    visible = _arange(cap) < (offset + 1) // ratio
+    scores = mx.where(visible, block_scores(qi, pooled), -mx.inf).reshape(cap)
+    if kernel:
+        return kernel_module("qsa_select").decode_tokens(scores, tail, n_blocks, ratio)
+    return op_decode_tokens(scores, tail, n_blocks, ratio)
+
+
+def op_decode_tokens(scores: mx.array, tail: mx.array, n_blocks: int, ratio: int) -> mx.array:
+    """The tokens of the n_blocks best blocks by `scores` [NB] (top_blocks' tie rule) in
+    ascending order, then `tail`: decode_tokens' choice in MLX ops."""
+    cap = scores.shape[0]
     ids = _arange(cap)
-    visible = ids < (offset + 1) // ratio
-    scores = mx.where(visible, block_scores(qi, pooled), -mx.inf).reshape(1, cap)
-    chosen = top_blocks(scores, n_blocks).reshape(cap)  # reshape: [0] would be a Gather
+    chosen = top_blocks(scores.reshape(1, cap), n_blocks).reshape(cap)  # not [0]: a Gather
     # distinct keys, the chosen ones lowest: sorted, the first n_blocks are the chosen ids in
     # ascending order on every backend
     blocks = mx.sort(mx.where(chosen, ids, ids + cap))[:n_blocks]
@@ -194,15 +211,22 @@ def decode_tokens(
     return mx.concatenate([toks, tail]) if tail.size else toks
 
 
-_DECODE_TOKENS: dict[tuple[int, int], Callable] = {}
+_DECODE_TOKENS: dict[tuple[int, int, bool], Callable] = {}
 
 
-def decode_tokens_step(ratio: int, n_blocks: int) -> Callable:
+def decode_tokens_step(ratio: int, n_blocks: int, kernel: bool = False) -> Callable:
     """`decode_tokens` compiled: ~30 selection ops replayed as one graph per decode step."""
-    if (ratio, n_blocks) not in _DECODE_TOKENS:
-        fn = partial(decode_tokens, ratio=ratio, n_blocks=n_blocks)
-        _DECODE_TOKENS[(ratio, n_blocks)] = mx.compile(fn)
-    return _DECODE_TOKENS[(ratio, n_blocks)]
+    key = (ratio, n_blocks, kernel)
+    if key not in _DECODE_TOKENS:
+        fn = partial(decode_tokens, ratio=ratio, n_blocks=n_blocks, kernel=kernel)
+        _DECODE_TOKENS[key] = mx.compile(fn)
+    return _DECODE_TOKENS[key]
+
+
+def select_kernel(n_blocks: int, ratio: int, n_pooled: int) -> bool:
+    """Whether a decode step's choice runs as kernels/qsa_select.py (where its probe passed)."""
+    kernel = kernel_module("qsa_select")
+    return kernel is not None and n_pooled >= n_blocks and kernel.available(n_blocks, ratio)
 
 
 def query_bytes(
@@ -478,7 +502,9 @@ class QSAAttention(Attention):
             start = (offset + 1) // self.ratio * self.ratio
             tail = mx.array(list(range(start, offset + 1)), dtype=mx.int32)
             at = mx.array(offset, dtype=mx.int32)  # an input of the compiled selection
-            idx = decode_tokens_step(self.ratio, self.n_blocks)(qi, st.pooled, at, tail)
+            kernel = select_kernel(self.n_blocks, self.ratio, st.pooled.shape[0])
+            select = decode_tokens_step(self.ratio, self.n_blocks, kernel)
+            idx = select(qi, st.pooled, at, tail)
             keys, values = st.kv.gather(idx)  # [Hkv, W, D]
             return attend_gathered(q, keys[None], values[None], self.scale)
         per_query = query_bytes(
