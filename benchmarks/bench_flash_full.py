@@ -26,10 +26,11 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
   from it, median of --runs (each run rewinds to the prompt through a save point; every run
   must decode the same tokens);
 - with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
-  on (routing, stream mixes, routed experts: kernels/moe_route.py, stream_mix.py,
-  expert_qmv.py; the rest off), the sets taking turns run by run, the layers that chose
-  them, whether the tokens are the default's and the first that is not (against the
-  default's gap between its two largest logits at each step, "margins");
+  on (routing, stream mixes, routed experts, QSA's selection: kernels/moe_route.py,
+  stream_mix.py, expert_qmv.py, qsa_select.py; the rest off), the sets taking turns run by
+  run, the layers that chose them, whether the tokens are the default's and the first that
+  is not (against the default's gap between its two largest logits at each step,
+  "margins");
 - the bytes a decoded token reads (formula in the JSON, "bytes_per_token") and its bound at
   --bandwidth-gbps (default: 4.8 TB/s on an H200, measured on the CPU), decode as % of bound;
 - prefill tok/s at the other --prefill lengths, a fresh state each; a length whose projected
@@ -183,7 +184,7 @@ def by_stride(args, model, state, first: int, want: list[int], bound: float) -> 
     return out
 
 
-STEP_KERNELS = {"route": "ROUTE", "stream": "STREAM", "expert": "EXPERT"}
+STEP_KERNELS = {"route": "ROUTE", "stream": "STREAM", "expert": "EXPERT", "select": "QSA_SELECT"}
 
 
 def greedy_margins(model, state, first: int, n: int) -> list[float]:
@@ -207,7 +208,7 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 
 
 def switch_step_kernels(model, chosen: set[str]) -> None:
-    """Switch Flash-Next's step kernels (QWEN38_<ROUTE|STREAM|EXPERT>_KERNEL) to auto for
+    """Switch Flash-Next's step kernels (QWEN38_<STEP_KERNELS value>_KERNEL) to auto for
     `chosen`, off for the rest, and make the model decide and trace its steps again: each
     layer decides once per dtype and a trace holds what it chose."""
     import mlx.nn as nn
@@ -219,7 +220,7 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
 
     for name, env in STEP_KERNELS.items():
         os.environ[f"QWEN38_{env}_KERNEL"] = "auto" if name in chosen else "off"
-    for module_name in ("moe_route", "stream_mix", "expert_qmv"):
+    for module_name in ("moe_route", "stream_mix", "expert_qmv", "qsa_select"):
         kernels = kernel_module(module_name)
         if kernels is not None:
             kernels.available.cache_clear()
@@ -232,6 +233,16 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
             module._prepared = None
 
     model.net.apply_to_modules(reset)
+
+
+def qsa_selects(layer) -> bool:
+    """Whether a QSA layer's decode steps choose through kernels/qsa_select.py."""
+    from qwen38_backend.models.qsa import select_kernel
+
+    if layer.is_linear:
+        return False
+    att = layer.self_attn
+    return select_kernel(att.n_blocks, att.ratio, att.n_blocks)
 
 
 def by_step_kernels(args, model, state, first: int, want: list[int], bound: float) -> dict:
@@ -267,6 +278,7 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
                     for layer in layers
                     for m in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
                 ),
+                "select": sum(qsa_selects(layer) for layer in layers),
             }
     out = {}
     for variant in variants:
