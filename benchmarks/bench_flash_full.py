@@ -27,7 +27,7 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
   must decode the same tokens);
 - with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
   on (routing, stream mixes, routed experts, QSA's selection: kernels/moe_route.py,
-  stream_mix.py, expert_qmv.py, qsa_select.py; the rest off), the sets taking turns run by
+  stream_mix.py, expert_qmv.py, top_select.py; the rest off), the sets taking turns run by
   run, the layers that chose them, whether the tokens are the default's and the first that
   is not (against the default's gap between its two largest logits at each step,
   "margins");
@@ -220,10 +220,11 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
 
     for name, env in STEP_KERNELS.items():
         os.environ[f"QWEN38_{env}_KERNEL"] = "auto" if name in chosen else "off"
-    for module_name in ("moe_route", "stream_mix", "expert_qmv", "qsa_select"):
+    for module_name in ("moe_route", "stream_mix", "expert_qmv", "top_select"):
         kernels = kernel_module(module_name)
         if kernels is not None:
-            kernels.available.cache_clear()
+            probe = kernels.qsa_available if module_name == "top_select" else kernels.available
+            probe.cache_clear()
 
     def reset(_, module: nn.Module) -> None:
         module.__dict__.pop("_compiled_methods", None)
@@ -236,7 +237,7 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
 
 
 def qsa_selects(layer) -> bool:
-    """Whether a QSA layer's decode steps choose through kernels/qsa_select.py."""
+    """Whether a QSA layer's decode steps choose through kernels/top_select.py."""
     from qwen38_backend.models.qsa import select_kernel
 
     if layer.is_linear:

@@ -785,7 +785,7 @@ def test_flash_next_steps_with_its_step_kernels_on_gpu(tmp_path, monkeypatch, sw
     stream_mix.available.cache_clear()
 
 
-# ----- QSA's decode selection in one launch (kernels/qsa_select.py) ---------------------------
+# ----- QSA's decode selection in one launch (kernels/top_select.py) ---------------------------
 @pytest.mark.parametrize(
     "n, visible, n_blocks, width",
     [(300, 290, 7, 2), (1280, 1030, 512, 3), (65792, 65536, 512, 0), (4096, 4000, 2048, 1)],
@@ -793,25 +793,43 @@ def test_flash_next_steps_with_its_step_kernels_on_gpu(tmp_path, monkeypatch, sw
 def test_qsa_select_kernel_matches_the_op_path_on_gpu(n, visible, n_blocks, width):
     """Tied scores (+-0.0 among them), -inf past the visible blocks, up to 262,144 tokens'
     blocks: the kernel's token ids equal the op path's, eager and inside a compiled graph."""
-    from qwen38_backend.kernels import qsa_select
+    from qwen38_backend.kernels import top_select
 
     from qwen38_backend.models import qsa
 
-    compiled = mx.compile(lambda s, t: qsa_select.decode_tokens(s, t, n_blocks, 4))
+    compiled = mx.compile(lambda s, t: top_select.decode_tokens(s, t, n_blocks, 4))
     for seed in range(3):
-        scores = qsa_select.probe_scores(n, visible, seed)
+        scores = top_select.probe_scores(n, visible, seed)
         tail = mx.arange(width, dtype=mx.int32) + 4 * visible
         want = qsa.op_decode_tokens(scores, tail, n_blocks, 4)
-        assert mx.array_equal(qsa_select.decode_tokens(scores, tail, n_blocks, 4), want).item()
+        assert mx.array_equal(top_select.decode_tokens(scores, tail, n_blocks, 4), want).item()
         assert mx.array_equal(compiled(scores, tail), want).item()
-    assert qsa_select.available(n_blocks, 4)
+    assert top_select.qsa_available(n_blocks, 4)
+
+
+@pytest.mark.parametrize("rows, n, n_select", [(1, 1000, 128), (1, 8200, 128), (4, 16400, 128)])
+def test_quest_top_kernel_matches_top_pages_on_gpu(rows, n, n_select):
+    """Order keys of tied scores with dead pages, up to 262,144 tokens' pages of 16, shared
+    and per-head rows: the kernel's pages are quest.top_pages', eager and compiled."""
+    from qwen38_backend.kernels import top_select
+
+    from qwen38_backend.kv import quest
+
+    compiled = mx.compile(lambda k: top_select.top_ids(k, n_select))
+    for seed in range(3):
+        scores = mx.stack([top_select.probe_scores(n, n - 40, seed + r) for r in range(rows)])
+        keys = quest.order_keys(scores)
+        want = quest.top_pages(keys, n_select)
+        assert mx.array_equal(top_select.top_ids(keys, n_select), want).item()
+        assert mx.array_equal(compiled(keys), want).item()
+    assert top_select.top_available(n_select)
 
 
 def test_flash_next_greedy_with_the_qsa_select_kernel_on_gpu(tmp_path, monkeypatch):
     """A tiny Flash-Next (bf16, 2-block budget) decoding past its dense threshold with the
     selection kernel: its compiled steps take the kernel, the greedy tokens are the op
     path's, and a verify's rows equal its plain steps bit for bit."""
-    from qwen38_backend.kernels import qsa_select
+    from qwen38_backend.kernels import top_select
 
     import qwen38_backend
     from qwen38_backend.models import qsa
@@ -820,12 +838,12 @@ def test_flash_next_greedy_with_the_qsa_select_kernel_on_gpu(tmp_path, monkeypat
     path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="bfloat16")
     prompt = [(7 * i + 3) % 200 + 2 for i in range(19)]
     calls = []
-    real = qsa_select.decode_tokens
-    monkeypatch.setattr(qsa_select, "decode_tokens", lambda *a: calls.append(1) or real(*a))
+    real = top_select.decode_tokens
+    monkeypatch.setattr(top_select, "decode_tokens", lambda *a: calls.append(1) or real(*a))
 
     def model_for(switch: str):
         monkeypatch.setenv("QWEN38_QSA_SELECT_KERNEL", switch)
-        qsa_select.available.cache_clear()
+        top_select.qsa_available.cache_clear()
         qsa._DECODE_TOKENS.clear()
         return qwen38_backend.load(str(path), dtype="bfloat16")
 
@@ -838,7 +856,7 @@ def test_flash_next_greedy_with_the_qsa_select_kernel_on_gpu(tmp_path, monkeypat
     assert tokens(model) == plain
     assert len(calls) > 2  # the probe's two, then the steps' traces
     assert_verify_rows_equal_steps(model, 37, STORES["contiguous"])
-    qsa_select.available.cache_clear()
+    top_select.qsa_available.cache_clear()
     qsa._DECODE_TOKENS.clear()
 
 

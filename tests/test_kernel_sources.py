@@ -22,10 +22,10 @@ from qwen38_backend.kernels import (
     jit,
     moe_route,
     qk_norm_rope,
-    qsa_select,
     quest_select,
     rows_matmul,
     stream_mix,
+    top_select,
 )
 
 pytestmark = pytest.mark.nvcc
@@ -37,8 +37,8 @@ MODULES = (
     gdn_prefill,
     moe_route,
     qk_norm_rope,
-    qsa_select,
     quest_select,
+    top_select,
     rows_matmul,
     stream_mix,
 )
@@ -54,7 +54,7 @@ FACTORIES = (
     gdn_prefill._solve_kernel,
     moe_route._kernel,
     qk_norm_rope._kernel,
-    qsa_select._kernel,
+    top_select._kernel,
     quest_select._keys_kernel,
     rows_matmul._kernel,
     rows_matmul._norm_kernel,
@@ -247,13 +247,16 @@ def test_quest_page_keys_compile(recorded, tmp_path):
         compiles(tmp_path, kernel, types, template)
 
 
-def test_qsa_select_compiles(recorded, tmp_path):
-    qsa_select._kernel()
-    (kernel,) = recorded.values()
-    types = {"scores": "float", "tail": "int32_t", "tokens": "int32_t"}
+def test_top_select_compiles(recorded, tmp_path):
+    top_select._kernel(False)
+    top_select._kernel(True)
+    qsa, quest = recorded["qwen38_qsa_select"], recorded["qwen38_top_keys"]
+    types = {"scores": "float", "tail": "int32_t", "tokens": "int32_t", "keys": "uint64_t"}
     # Flash-Next's 2,048-token budget in blocks of 4, with a causal tail or none
     for tail in (0, 3):
-        compiles(tmp_path, kernel, types, [("N_SEL", 512), ("RATIO", 4), ("TAIL", tail)])
+        compiles(tmp_path, qsa, types, [("N_SEL", 512), ("RATIO", 4), ("TAIL", tail)])
+    # the 27B's 2,048-token Quest budget in pages of 16
+    compiles(tmp_path, quest, types, [("N_SEL", 128), ("RATIO", 1), ("TAIL", 0)])
 
 
 @pytest.mark.parametrize("kind", ["solve", "scan"])

@@ -22,10 +22,10 @@ from qwen38_backend.kernels import (
     gdn_prefill,
     moe_route,
     qk_norm_rope,
-    qsa_select,
     quest_select,
     rows_matmul,
     stream_mix,
+    top_select,
 )
 from qwen38_backend.kernels.qk_norm_rope import within_ulps
 
@@ -218,15 +218,15 @@ def test_flash_next_greedy_with_the_step_kernels(emulated, tmp_path, monkeypatch
         mx.enable_compile()
 
 
-# ----- QSA's decode selection (kernels/qsa_select.py) ---------------------------------------
+# ----- QSA's decode selection (kernels/top_select.py) ---------------------------------------
 @pytest.fixture
 def emulated_select(monkeypatch):
     if shutil.which("g++") is None:
         pytest.fail("the emulated kernels need g++ on PATH")
-    emulate(monkeypatch, qsa_select)
+    emulate(monkeypatch, top_select)
     monkeypatch.setenv("QWEN38_QSA_SELECT_KERNEL", "auto")
     yield
-    clear_caches(qsa_select)
+    clear_caches(top_select)
 
 
 @pytest.mark.parametrize(
@@ -243,21 +243,22 @@ def test_qsa_select_kernel_chooses_as_the_op_path(emulated_select, n, visible, n
     more blocks than threads: the kernel's token ids are the op path's, and its probe
     passes."""
     for seed in range(2):
-        scores = qsa_select.probe_scores(n, visible, seed)
+        scores = top_select.probe_scores(n, visible, seed)
         tail = mx.arange(width, dtype=mx.int32) + 4 * visible
-        got = qsa_select.decode_tokens(scores, tail, n_blocks, 4)
+        got = top_select.decode_tokens(scores, tail, n_blocks, 4)
         want = qsa.op_decode_tokens(scores, tail, n_blocks, 4)
         assert got.tolist() == want.tolist()
-    assert qsa_select.available(n_blocks, 4)
+    assert top_select.qsa_available(n_blocks, 4)
 
 
 def test_qsa_select_kernel_refuses_a_wrong_answer(emulated_select, monkeypatch):
     """The probe can fail: a kernel that breaks ties towards the higher block id is refused."""
-    source = qsa_select._SOURCE.replace("(0xFFFFFFFFull - (unsigned)i)", "(unsigned)i")
-    assert source != qsa_select._SOURCE
-    monkeypatch.setattr(qsa_select, "_SOURCE", source)
+    form = dict(top_select._FROM_SCORES)
+    form["__KEY_OF__"] = form["__KEY_OF__"].replace("(0xFFFFFFFFull - (unsigned)i)", "i")
+    assert form != top_select._FROM_SCORES
+    monkeypatch.setattr(top_select, "_FROM_SCORES", form)
     with pytest.warns(UserWarning, match="QSA selection kernel unavailable"):
-        assert not qsa_select.available(16, 4)
+        assert not top_select.qsa_available(16, 4)
 
 
 def test_flash_next_greedy_with_the_qsa_select_kernel(emulated_select, tmp_path, monkeypatch):
@@ -270,12 +271,12 @@ def test_flash_next_greedy_with_the_qsa_select_kernel(emulated_select, tmp_path,
     path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
     prompt = [(7 * i + 3) % 200 + 2 for i in range(12)]
     calls = []
-    real = qsa_select.decode_tokens
-    monkeypatch.setattr(qsa_select, "decode_tokens", lambda *a: calls.append(1) or real(*a))
+    real = top_select.decode_tokens
+    monkeypatch.setattr(top_select, "decode_tokens", lambda *a: calls.append(1) or real(*a))
 
     def tokens(switch: str) -> list[int]:
         monkeypatch.setenv("QWEN38_QSA_SELECT_KERNEL", switch)
-        qsa_select.available.cache_clear()
+        top_select.qsa_available.cache_clear()
         qsa._DECODE_TOKENS.clear()
         model = qwen38_backend.load(str(path), dtype="float32")
         return list(model.generate_tokens(prompt, max_tokens=6, stop_token_ids=[]))
@@ -288,6 +289,47 @@ def test_flash_next_greedy_with_the_qsa_select_kernel(emulated_select, tmp_path,
     finally:
         mx.enable_compile()
     assert len(calls) > 6  # the probe's calls, then the steps'
+
+
+@pytest.mark.parametrize(
+    "rows, n, n_select",
+    [(1, 300, 16), (4, 700, 64), (1, 2600, 128), (2, 1500, 1000)],
+)
+def test_quest_top_kernel_picks_as_top_pages(emulated_select, rows, n, n_select):
+    """Order keys of tied scores with dead pages (quest.order_keys), one round of top_pages
+    and two, shared and per-head rows: the kernel's pages are top_pages', and its probe
+    passes."""
+    scores = mx.stack([top_select.probe_scores(n, n - 40, r) for r in range(rows)])
+    keys = quest.order_keys(scores)
+    assert top_select.top_ids(keys, n_select).tolist() == quest.top_pages(keys, n_select).tolist()
+    assert top_select.top_available(n_select)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_quest_selection_through_both_kernels(emulated_select, monkeypatch, shared):
+    """A whole Quest selection (quest.selector) with the page-key and top-k kernels emulated
+    picks the op path's pages: 27B heads (24 query, 4 KV of 256), 1,300 live pages of a
+    1,500 capacity, sinks and a recent window."""
+    emulate(monkeypatch, quest_select)
+    monkeypatch.setenv("QWEN38_QUEST_KERNEL", "force")  # the page keys' probe: its own test
+    keys = mx.random.split(mx.random.key(3), 3)
+    q = mx.random.normal((24, 256), key=keys[0]).astype(mx.bfloat16)
+    lo = mx.random.normal((4, 1500, 256), key=keys[1])
+    hi = lo + mx.abs(mx.random.normal((4, 1500, 256), key=keys[2]))
+    kmin, kmax = quest.outward_bf16(lo, hi)
+    n_pages = mx.array(1300, dtype=mx.int32)
+    try:
+        got = quest.selector(96, 1, 2, shared)(q, kmin, kmax, n_pages)
+        assert quest.top_kernel_usable(mx.zeros((1, 1500), mx.uint64), 96)
+        quest.selector.cache_clear()
+        monkeypatch.setenv("QWEN38_QUEST_KERNEL", "off")
+        monkeypatch.setenv("QWEN38_QUEST_TOP_KERNEL", "off")
+        top_select.top_available.cache_clear()
+        want = quest.selector(96, 1, 2, shared)(q, kmin, kmax, n_pages)
+        assert got.tolist() == want.tolist()
+    finally:
+        quest.selector.cache_clear()
+        clear_caches(quest_select)
 
 
 # ----- kernels whose last changes have not yet run on a GPU (session 27) -------------------

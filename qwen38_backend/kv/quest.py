@@ -302,9 +302,10 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
     `forced_pages`. The metadata is scored over its whole capacity with the pages past
     n_pages masked out, so a graph is traced again only when the capacity grows (x1.5),
     not every page. On CUDA the page keys come from one kernel (kernels/quest_select.py,
-    where its probe passed) and their top-k from compiled ops (a one-launch top-k kernel
-    gained nothing on the H200: benchmarks/results/h200/depth_topk_compare.json); elsewhere
-    the whole selection is one compiled graph."""
+    where its probe passed) and their top-k from a radix select in one launch
+    (kernels/top_select.py, where its probe passed; else compiled ops: an earlier one-launch
+    top-k, a sort, lost to them on the H200, depth_topk_compare.json); elsewhere the whole
+    selection is one compiled graph."""
 
     def select(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
         keys = op_page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
@@ -316,7 +317,18 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
         if kernel_usable(q, kmin, kmax):
             kernel = kernel_module("quest_select")
             keys = kernel.page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
-            return mx.broadcast_to(top(keys), (kmin.shape[0], n_select))
+            if top_kernel_usable(keys, n_select):
+                chosen = kernel_module("top_select").top_ids(keys, n_select)
+            else:
+                chosen = top(keys)
+            return mx.broadcast_to(chosen, (kmin.shape[0], n_select))
         return ops(q, kmin, kmax, n_pages)
 
     return run
+
+
+def top_kernel_usable(keys: mx.array, n_select: int) -> bool:
+    """Whether the page keys' top-k runs as one launch (kernels/top_select.py, where its
+    probe passed; QWEN38_QUEST_TOP_KERNEL)."""
+    kernel = kernel_module("top_select")
+    return kernel is not None and keys.shape[1] > n_select and kernel.top_available(n_select)

@@ -189,12 +189,12 @@ def decode_tokens(
     qi [1, Hi, D]; `pooled` is the whole pooled-key buffer (rows from the visible blocks on are
     masked out) and `offset` an array, so the shapes change only with the buffer's capacity and
     the tail's length: `decode_tokens_step` compiles it once per pair. `kernel`: the choice
-    from the scores on runs as one CUDA launch (kernels/qsa_select.py, the same ids)."""
+    from the scores on runs as one CUDA launch (kernels/top_select.py, the same ids)."""
     cap = pooled.shape[0]
     visible = _arange(cap) < (offset + 1) // ratio
     scores = mx.where(visible, block_scores(qi, pooled), -mx.inf).reshape(cap)
     if kernel:
-        return kernel_module("qsa_select").decode_tokens(scores, tail, n_blocks, ratio)
+        return kernel_module("top_select").decode_tokens(scores, tail, n_blocks, ratio)
     return op_decode_tokens(scores, tail, n_blocks, ratio)
 
 
@@ -224,9 +224,9 @@ def decode_tokens_step(ratio: int, n_blocks: int, kernel: bool = False) -> Calla
 
 
 def select_kernel(n_blocks: int, ratio: int, n_pooled: int) -> bool:
-    """Whether a decode step's choice runs as kernels/qsa_select.py (where its probe passed)."""
-    kernel = kernel_module("qsa_select")
-    return kernel is not None and n_pooled >= n_blocks and kernel.available(n_blocks, ratio)
+    """Whether a decode step's choice runs as kernels/top_select.py (where its probe passed)."""
+    kernel = kernel_module("top_select")
+    return kernel is not None and n_pooled >= n_blocks and kernel.qsa_available(n_blocks, ratio)
 
 
 def query_bytes(
