@@ -5,8 +5,9 @@
 
 Per length, in one process: prefill into a paged Quest state (kv_topk `--budget`) at the
 engine's default chunk (tok/s, peak memory), then decode `--decode` greedy tokens `--runs`
-times (medians) in each of these modes:
+times (medians; the modes take turns run by run) in each of these modes:
 - `quest`: as users run it (each step scores every page and takes the top-k);
+- `quest_op_topk`: the same with the top-k as compiled ops (kernels/top_select.py off);
 - `fixed`: every attention layer reuses its first selection (no scoring, no top-k): the
   difference to `quest` is what selecting costs inside a real step;
 - `dense` (lengths up to `--dense-max`): the budget covers the whole context;
@@ -14,7 +15,8 @@ times (medians) in each of these modes:
   its tensor-core one (kernels/decode_attention.TENSOR_CORES off).
 Then, on one attention layer's metadata at that depth, the selection alone: `--chain` calls
 queued and evaluated at once (as a step queues its layers), per call: the page-key kernel,
-the top-k, and the whole selection. Selection ms per token = 16 layers x the whole call.
+the top-k as ops and as one kernel, and the whole selection. Selection ms per token = 16
+layers x the whole call.
 Bytes a token reads per mode (dense: the whole KV; Quest: the selected rows and every page's
 metadata) and tok/s as a fraction of the `--bound-gbps` bound.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -98,6 +101,11 @@ def selection_parts(store, n: int, repeats: int) -> dict:
         mx.eval(ready)
         top = mx.compile(lambda k: quest.top_pages(k, n_sel))
         out["top_k_ms"] = 1e3 * chained(lambda i: top(ready[i]), n, repeats)
+        if quest.top_kernel_usable(ready[0], n_sel):
+            from qwen38_backend.kernels import top_select
+
+            top_kernel = lambda i: top_select.top_ids(ready[i], n_sel)  # noqa: E731
+            out["top_k_kernel_ms"] = 1e3 * chained(top_kernel, n, repeats)
     return out
 
 
@@ -132,16 +140,33 @@ def measure(model, state, logits, args, length: int) -> dict:
         finally:
             decode_attention.TENSOR_CORES = True
 
-    modes = {"quest": quest, "fixed": fixed}
+    def quest_op_topk():  # Quest with its top-k as compiled ops (kernels/top_select.py off)
+        from qwen38_backend.kernel_import import kernel_module
+
+        kernel = kernel_module("top_select")
+        os.environ["QWEN38_QUEST_TOP_KERNEL"] = "off"
+        if kernel is not None:
+            kernel.top_available.cache_clear()
+        try:
+            return decode(model, state, logits, args.decode)
+        finally:
+            os.environ.pop("QWEN38_QUEST_TOP_KERNEL")
+            if kernel is not None:
+                kernel.top_available.cache_clear()
+
+    modes = {"quest": quest, "quest_op_topk": quest_op_topk, "fixed": fixed}
     if length <= args.dense_max:
         modes["dense"] = dense
         if args.fma:
             modes["dense_fma"] = dense_fma
     row = {}
-    for name, fn in modes.items():
-        rates = [fn() for _ in range(args.runs)]
-        row[f"{name}_tok_s"] = statistics.median(rates)
-        row[f"{name}_runs"] = rates
+    rates = {name: [] for name in modes}
+    for _ in range(args.runs):  # the modes take turns: a drift within the call spreads over all
+        for name, fn in modes.items():
+            rates[name].append(fn())
+    for name in modes:
+        row[f"{name}_tok_s"] = statistics.median(rates[name])
+        row[f"{name}_runs"] = rates[name]
     row["select_cost_ms_per_token"] = 1e3 * (1 / row["quest_tok_s"] - 1 / row["fixed_tok_s"])
     row["selection"] = selection_parts(stores[0], args.chain, args.runs * 3)
     row["selection"]["all_layers_ms"] = len(stores) * row["selection"]["select_ms"]
