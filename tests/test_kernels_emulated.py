@@ -442,12 +442,17 @@ def test_qk_norm_rope_kernel_passes_its_probe(monkeypatch):
 
 
 @pytest.mark.slow
-def test_quest_page_keys_kernel_passes_its_probe(monkeypatch):
-    """The page keys of the 27B's heads (24 query, 4 KV heads of 256), shared and per head:
-    the op path's selection, bounds within fp32 rounding, forced and dead pages alike."""
+@pytest.mark.parametrize(
+    "hq, hkv, d, meta",
+    [(24, 4, 256, mx.bfloat16), (8, 2, 64, mx.bfloat16), (8, 2, 128, mx.float32)],
+)
+def test_quest_page_keys_kernel_passes_its_probe(monkeypatch, hq, hkv, d, meta):
+    """The page keys of the 27B's heads (24 query, 4 KV heads of 256; 16-byte loads), of a
+    head too narrow for them (64: a value at a time) and of fp32 metadata, shared and per
+    head: the op path's selection, bounds within fp32 rounding, forced and dead pages."""
     emulate(monkeypatch, quest_select)
     try:
-        assert quest.kernel_mismatch(24, 4, 256, mx.bfloat16, mx.bfloat16) is None
+        assert quest.kernel_mismatch(hq, hkv, d, mx.bfloat16, meta) is None
     finally:
         clear_caches(quest_select)
 
