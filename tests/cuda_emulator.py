@@ -118,31 +118,26 @@ inline void emu_wait(int kind) {
 }
 inline void __syncthreads() { emu_wait(1); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(2); }
-template <typename V> V __shfl_xor_sync(unsigned, V v, int offset) {
-  const int t = emu_current;
+// every lane of the warp posts its value, then reads thread `from`'s (a warp barrier each)
+template <typename V> V emu_shuffle(V v, int from) {
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(V));
-  emu_slots[t] = bits;
+  emu_slots[emu_current] = bits;
   emu_wait(2);
-  const uint64_t other = emu_slots[(t & ~31) | ((t & 31) ^ offset)];
+  const uint64_t other = emu_slots[from];
   emu_wait(2);
   V r;
   std::memcpy(&r, &other, sizeof(V));
   return r;
 }
-
+template <typename V> V __shfl_xor_sync(unsigned, V v, int offset) {
+  const int t = emu_current;
+  return emu_shuffle(v, (t & ~31) | ((t & 31) ^ offset));
+}
 // lane t reads lane t - delta's value (its own below delta), as CUDA's shuffle up
 template <typename V> V __shfl_up_sync(unsigned, V v, unsigned delta) {
   const int t = emu_current;
-  uint64_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(V));
-  emu_slots[t] = bits;
-  emu_wait(2);
-  const uint64_t other = (t & 31) >= int(delta) ? emu_slots[t - delta] : bits;
-  emu_wait(2);
-  V r;
-  std::memcpy(&r, &other, sizeof(V));
-  return r;
+  return emu_shuffle(v, (t & 31) >= int(delta) ? t - int(delta) : t);
 }
 // fibers switch only at barriers, so a plain read-modify-write is atomic here
 template <typename V> V atomicAdd(V* at, V v) {
