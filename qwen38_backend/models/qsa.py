@@ -52,6 +52,12 @@ def _arange(n: int) -> mx.array:
     return _arange_pow2(1 << max(n - 1, 0).bit_length())[:n]
 
 
+def positions_after(offset: mx.array, n: int) -> mx.array:
+    """offset + 0..n-1 (int32) for an `offset` array: in a compiled step the range is a
+    constant, not an arange launch a layer."""
+    return offset + _arange(n)
+
+
 @cache
 def _arange_pow2(n: int) -> mx.array:
     ids = mx.arange(n)

@@ -29,7 +29,7 @@ from .hyper_connections import GatedResidual
 from .layers import RMSNorm, RopeSpec, compiled
 from .moe import SparseMoE, fuse_expert_weights
 from .ple import NgramTable, PLELayer, PLEState
-from .qsa import QSAAttention, QSAState
+from .qsa import QSAAttention, QSAState, positions_after
 
 # Zero-centred norms (1 + w); mlx-lm style conversions store them with +1 folded in.
 _ZC_NORM_SUFFIXES = (
@@ -214,7 +214,7 @@ class Qwen4ExpBlock(nn.Module):
 
     def _attention_in(self, R: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         x, inj = self.attn_hyper_connection.open(R)
-        positions = offset + mx.arange(R.shape[0], dtype=mx.int32)
+        positions = positions_after(offset, R.shape[0])
         qi, raw = self.self_attn.index_query(x, positions)
         return (inj, qi, raw, *self.self_attn.project_qkv(x, offset))
 
