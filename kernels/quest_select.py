@@ -5,13 +5,10 @@ so every step casts the whole bf16 metadata [Hkv, capacity, D] to fp32 twice (at
 tokens ~100 MB of traffic per attention layer and token), then masks the dead and forced
 pages and builds the order keys in ~10 more launches per layer.
 
-One warp per (row, page): each warp first issues its page's min / max rows' loads (16 bytes
-a lane where the head width allows, held in registers), then the block sums relu(q) and
-min(q, 0) over each KV group's query heads into shared memory while those loads are in
-flight (each block sums them alone: issued after the sums, the loads had waited for them,
-and 131K's 4,096 pages took 37 us, ~0.45 TB/s, session 31); each warp then converts in
-registers, reduces the bound over the dims (and over the KV heads for a shared selection)
-in a fixed order, and writes the page's uint64
+One warp per (row, page): the block first sums relu(q) and min(q, 0) over each KV group's
+query heads into shared memory; each warp then reads its page's bf16 min / max rows in place
+(coalesced across the lanes), converts in registers, reduces the bound over the dims (and
+over the KV heads for a shared selection) in a fixed order, and writes the page's uint64
 order key: (the bound's order-preserving bits) << 32 | ~page id, +inf for forced pages
 (sinks, the recent window, the open page), -inf past the live pages. The bound sums in
 another order than the op path's matmuls (fp32 rounding apart); kv/quest.py probes the
@@ -31,33 +28,13 @@ THREADS = 256  # 8 warps: 8 pages per block
 
 _KEYS = """
     constexpr int WARPS = __THREADS__ / 32;
-    constexpr int VEC = 16 / sizeof(M);  // metadata values in one 16-byte load
-    // 16-byte loads, NV a lane per head row, where D allows (else one value at a time)
-    constexpr int NV = D % (32 * VEC) == 0 ? D / (32 * VEC) : 0;
-    constexpr int ROWS = SHARED ? HKV : 1;  // KV heads one page key sums
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int hkv = kmax_shape[0], capacity = kmax_shape[1];
     const int group = q_shape[0] / hkv;
     const int row = blockIdx.y;  // SHARED: 0 (every KV head summed), else the KV head
     const int page = blockIdx.x * WARPS + warp;
-    const bool on = page < capacity;
-    const int h0 = SHARED ? 0 : row;
     __shared__ float qs[2 * HKV * D];  // [relu(q) | min(q, 0)] summed per KV group
 
-    // The page's metadata first, so its loads are in flight while the block sums q.
-    uint4 hi[ROWS][NV > 0 ? NV : 1], lo[ROWS][NV > 0 ? NV : 1];
-    if (NV > 0 && on) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const long long at = ((long long)(h0 + r) * capacity + page) * D;
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int d = (j * 32 + lane) * VEC;
-                hi[r][j] = *reinterpret_cast<const uint4*>(kmax + at + d);
-                lo[r][j] = *reinterpret_cast<const uint4*>(kmin + at + d);
-            }
-        }
-    }
     for (int i = threadIdx.x; i < HKV * D; i += __THREADS__) {
         const int h = i / D, d = i % D;
         float pos = 0.0f, neg = 0.0f;
@@ -70,32 +47,15 @@ _KEYS = """
         qs[HKV * D + i] = neg;
     }
     __syncthreads();
-    if (!on) return;
+    if (page >= capacity) return;
 
+    const int h0 = SHARED ? 0 : row, h1 = SHARED ? hkv : row + 1;
     float acc = 0.0f;
-    if (NV > 0) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const int h = h0 + r;
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int d = (j * 32 + lane) * VEC;
-                const M* up = reinterpret_cast<const M*>(&hi[r][j]);
-                const M* down = reinterpret_cast<const M*>(&lo[r][j]);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    acc += qs[h * D + d + e] * static_cast<float>(up[e]);
-                    acc += qs[HKV * D + h * D + d + e] * static_cast<float>(down[e]);
-                }
-            }
-        }
-    } else {
-        for (int h = h0; h < h0 + ROWS; ++h) {
-            const long long at = ((long long)h * capacity + page) * D;
-            for (int d = lane; d < D; d += 32) {
-                acc += qs[h * D + d] * static_cast<float>(kmax[at + d]);
-                acc += qs[HKV * D + h * D + d] * static_cast<float>(kmin[at + d]);
-            }
+    for (int h = h0; h < h1; ++h) {
+        const long long at = ((long long)h * capacity + page) * D;
+        for (int d = lane; d < D; d += 32) {
+            acc += qs[h * D + d] * static_cast<float>(kmax[at + d]);
+            acc += qs[HKV * D + h * D + d] * static_cast<float>(kmin[at + d]);
         }
     }
 #pragma unroll
@@ -143,7 +103,6 @@ def page_keys(
     (keys,) = _keys_kernel()(
         inputs=[q, kmin, kmax, n_pages.reshape(1)],
         template=[
-            ("M", kmax.dtype),
             ("HKV", hkv),
             ("D", d),
             ("SINKS", sink_pages),

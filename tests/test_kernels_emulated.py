@@ -447,9 +447,9 @@ def test_qk_norm_rope_kernel_passes_its_probe(monkeypatch):
     [(24, 4, 256, mx.bfloat16), (8, 2, 64, mx.bfloat16), (8, 2, 128, mx.float32)],
 )
 def test_quest_page_keys_kernel_passes_its_probe(monkeypatch, hq, hkv, d, meta):
-    """The page keys of the 27B's heads (24 query, 4 KV heads of 256; 16-byte loads), of a
-    head too narrow for them (64: a value at a time) and of fp32 metadata, shared and per
-    head: the op path's selection, bounds within fp32 rounding, forced and dead pages."""
+    """The page keys of the 27B's heads (24 query, 4 KV heads of 256), of narrower heads and
+    of fp32 metadata, shared and per head: the op path's selection, bounds within fp32
+    rounding, forced and dead pages alike."""
     emulate(monkeypatch, quest_select)
     try:
         assert quest.kernel_mismatch(hq, hkv, d, mx.bfloat16, meta) is None
