@@ -237,13 +237,14 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
 
 
 def qsa_selects(layer) -> bool:
-    """Whether a QSA layer's decode steps choose through kernels/top_select.py."""
-    from qwen38_backend.models.qsa import select_kernel
+    """Whether a QSA layer's decode steps choose through kernels/top_select.py (its probe's
+    answer, which the steps ask too: qsa.select_kernel)."""
+    from qwen38_backend.kernel_import import kernel_module
 
-    if layer.is_linear:
+    kernel = kernel_module("top_select")
+    if layer.is_linear or kernel is None:
         return False
-    att = layer.self_attn
-    return select_kernel(att.n_blocks, att.ratio, att.n_blocks)
+    return kernel.qsa_available(layer.self_attn.n_blocks, layer.self_attn.ratio)
 
 
 def by_step_kernels(args, model, state, first: int, want: list[int], bound: float) -> dict:
