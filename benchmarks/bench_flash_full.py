@@ -185,6 +185,13 @@ def by_stride(args, model, state, first: int, want: list[int], bound: float) -> 
 
 
 STEP_KERNELS = {"route": "ROUTE", "stream": "STREAM", "expert": "EXPERT", "select": "QSA_SELECT"}
+# each step kernel's module and its cached probe (cleared when the switches change)
+STEP_PROBES = {
+    "moe_route": "available",
+    "stream_mix": "available",
+    "expert_qmv": "available",
+    "top_select": "qsa_available",
+}
 
 
 def greedy_margins(model, state, first: int, n: int) -> list[float]:
@@ -220,11 +227,10 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
 
     for name, env in STEP_KERNELS.items():
         os.environ[f"QWEN38_{env}_KERNEL"] = "auto" if name in chosen else "off"
-    for module_name in ("moe_route", "stream_mix", "expert_qmv", "top_select"):
+    for module_name, probe in STEP_PROBES.items():
         kernels = kernel_module(module_name)
         if kernels is not None:
-            probe = kernels.qsa_available if module_name == "top_select" else kernels.available
-            probe.cache_clear()
+            getattr(kernels, probe).cache_clear()
 
     def reset(_, module: nn.Module) -> None:
         module.__dict__.pop("_compiled_methods", None)
