@@ -243,7 +243,8 @@ def test_quest_page_keys_compile(recorded, tmp_path):
     (kernel,) = recorded.values()
     types = {"q": BF16, "kmin": BF16, "kmax": BF16, "counts": "int32_t", "keys": "uint64_t"}
     for shared in (0, 1):
-        template = [("HKV", 4), ("D", 256), ("SINKS", 1), ("RECENT", 2), ("SHARED", shared)]
+        template = [("M", mx.bfloat16), ("HKV", 4), ("GROUP", 6), ("D", 256), ("SINKS", 1)]
+        template += [("RECENT", 2), ("SHARED", shared)]
         compiles(tmp_path, kernel, types, template)
 
 
