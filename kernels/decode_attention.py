@@ -448,12 +448,25 @@ __SPLIT_AND_VIEWS__
         T* ks = ring + (t % STAGES) * 2 * TILE_ELEMS;
         T* vs = ks + TILE_ELEMS;
         const int row0 = wstart + t * TILE;
+        // paged: lane j < TILE reads row j's page once, the copies take it by shuffle (every
+        // lane runs each loop below as often); one page-list round trip a tile, not one per
+        // four rows
+        const long long mine = P > 0 && lane < TILE && row0 + lane < wend ?
+            pool_row(row0 + lane) : 0;
+        auto tile_row = [&](int r) -> long long {
+            if constexpr (P > 0) {
+                return __shfl_sync(0xffffffffu, mine, r);
+            } else {
+                return row0 + r;
+            }
+        };
         if (vec_ok) {
 #pragma unroll 4
             for (int i = lane; i < TILE * CH; i += 32) {
                 const int r = i / CH, c = i % CH;
                 const bool live = row0 + r < wend;
-                const long long pr = live ? pool_row(row0 + r) : 0;
+                const long long found = tile_row(r);
+                const long long pr = live ? found : 0;
                 const int at = r * D + (c ^ (r & SWZ)) * 8;
                 cp_async16_or_zero(ks + at, kb + pr * krs + c * 8, live);
                 cp_async16_or_zero(vs + at, vb + pr * vrs + c * 8, live);
@@ -463,7 +476,8 @@ __SPLIT_AND_VIEWS__
                 const int r = i / D, col = i % D;
                 const int at = r * D + ((col / 8) ^ (r & SWZ)) * 8 + col % 8;
                 const bool live = row0 + r < wend;
-                const long long pr = live ? pool_row(row0 + r) : 0;
+                const long long found = tile_row(r);
+                const long long pr = live ? found : 0;
                 ks[at] = live ? kb[pr * krs + col * kds] : T(0.0f);
                 vs[at] = live ? vb[pr * vrs + col * vds] : T(0.0f);
             }
