@@ -10,8 +10,10 @@ Two launches:
   views whose strides do not allow them are copied element by element), and serves all
   G = Hq / Hkv query heads of its group from each tile, so K and V are read once per group.
   Scores, the running max / sum and the unnormalised output are fp32. Two forms: with
-  half-precision q and K/V (G <= 8) the products run on the tensor cores, each warp
-  streaming its own share of the split (`_PARTIAL_MMA`); otherwise fp32 FMAs (`_PARTIAL`).
+  half-precision q and K/V the products run on the tensor cores, each warp streaming its
+  own share of the split (`_PARTIAL_MMA`); otherwise fp32 FMAs (`_PARTIAL`). A group too
+  large for a form (the tensor cores serve 8 heads a block) is split into equal parts, each
+  its own row of blocks (`head_parts`).
 - combine: one block per query head rescales the splits' outputs by exp(m_s - max) and
   divides by the rescaled sum (the log-sum-exp merge), writing the query's dtype.
 
@@ -42,7 +44,7 @@ MIN_SPLIT_ROWS = 64  # below this a split's partial output costs more than its r
 HEAD_DIMS = (32, 64, 128, 256)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_Q_REGISTERS = 64  # fp32 query values per thread (G * D / lanes per row)
-# The tensor-core kernel (half-precision K/V, G <= 8): warps per block, each with its own
+# The tensor-core kernel (half-precision K/V): warps per block, each with its own
 # ring of STAGES tiles of 16 rows (4 x 3 x 16 KB at D 256: one block per SM, as above).
 # False: every call runs the fp32-FMA kernel (benchmarks compare the two in one run).
 TENSOR_CORES = True
@@ -178,7 +180,10 @@ _HEADER = VECTORS + ASYNC_COPIES + _NEG_INF + _ATTENTION_HELPERS
 _SPLIT_AND_VIEWS = """
     // query row qt (of NQ) is the position L - NQ + qt: it reads the first L_row keys in
     // its own n_splits splits, as a one-row call of that length does
-    const int split = blockIdx.x, kvh = blockIdx.y, qt = blockIdx.z, NQ = gridDim.z;
+    // blockIdx.y: this block's part of a KV group's query heads (SUB parts of G heads each
+    // per KV head), so its query heads are vh * G .. vh * G + G - 1 of the row's
+    const int split = blockIdx.x, vh = blockIdx.y, kvh = vh / SUB, qt = blockIdx.z;
+    const int NQ = gridDim.z;
     const int n_splits = splits[qt];
     if (split >= n_splits) return;                 // the whole block: no barrier is skipped
     // paged (P > 0): the keys are the first n_keys[0] logical rows of a page list, row r
@@ -208,7 +213,8 @@ _SPLIT_AND_VIEWS = """
         }
     };"""
 
-# Template constants from the call: T (K/V dtype), D (head dim), G (query heads per KV head).
+# Template constants from the call: T (K/V dtype), D (head dim), G (query heads a block
+# serves), SUB (blocks a KV group's query heads are split over: G * SUB per KV head), P.
 _PARTIAL = """
     using namespace qwen38_dattn;
     constexpr int THREADS = __THREADS__, TILE = __TILE__, STAGES = __STAGES__;
@@ -269,7 +275,7 @@ __SPLIT_AND_VIEWS__
         for (int j = 0; j < PER; ++j)
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-                qr[h][j * VEC + e] = q[(qt * (long long)gridDim.y * G + kvh * G + h) *
+                qr[h][j * VEC + e] = q[(qt * (long long)gridDim.y * G + vh * G + h) *
                     q_strides[0] + ((c0 + NVL * j) * VEC + e) * q_strides[1]];
                 acc[h][j * VEC + e] = 0.0f;
             }
@@ -400,7 +406,7 @@ __SPLIT_AND_VIEWS__
                 red[(rg * G + h) * D + (c0 + NVL * j) * VEC + e] = acc[h][j * VEC + e];
     __syncthreads();
     const int max_splits = gridDim.x;
-    const long long base = (((long long)qt * gridDim.y + kvh) * max_splits + split) * G;
+    const long long base = (((long long)qt * gridDim.y + vh) * max_splits + split) * G;
     for (int x = tid; x < G * D; x += THREADS) {
         float sum = 0.0f;
         for (int r = 0; r < RPB; ++r) sum += red[r * G * D + x];
@@ -412,7 +418,7 @@ __SPLIT_AND_VIEWS__
     }
 """
 
-# The same partial outputs from the tensor cores (K/V and q in float16 / bfloat16, G <= 8):
+# The same partial outputs from the tensor cores (K/V and q in float16 / bfloat16, G <= 8 a block):
 # the fp32-FMA kernel above issues ~0.2 warp instructions per K/V byte (G heads x 2 FMAs per
 # element), as many as an SM issues at the bandwidth bound, so it reads ~1.3 TB/s. Here a
 # warp takes 16 rows at a time with mma.sync m16n8k16 (fp32 accumulators):
@@ -423,7 +429,7 @@ __SPLIT_AND_VIEWS__
 #   precision terms (rounded, then what rounding lost), so P V keeps ~16 bits of P, not 8.
 # Each warp streams its own share of the split through its own STAGES-deep cp.async ring
 # (no block barriers in the loop); the block merges its warps' (max, sum, output) once.
-# Template constants: T (K/V and q dtype), D, G, P (page rows, 0: not paged).
+# Template constants: T (K/V and q dtype), D, G, SUB, P (page rows, 0: not paged).
 _PARTIAL_MMA = """
     using namespace qwen38_dattn;
     constexpr int WARPS = __WARPS__, STAGES = __STAGES__, TILE = 16;
@@ -487,7 +493,7 @@ __SPLIT_AND_VIEWS__
     // Q as A fragments: rows gid (< G) of each k-step, columns tig * 2 (+ 8); rows gid + 8
     // are the padding (zero)
     unsigned qa[KSTEPS][2];
-    const T* qrow = q + ((long long)qt * gridDim.y * G + kvh * G + (gid < G ? gid : 0)) * D;
+    const T* qrow = q + ((long long)qt * gridDim.y * G + vh * G + (gid < G ? gid : 0)) * D;
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s)
 #pragma unroll
@@ -595,7 +601,7 @@ __SPLIT_AND_VIEWS__
         l_w[warp * G + gid] = l_run;
     }
     __syncthreads();
-    const long long base = (((long long)qt * gridDim.y + kvh) * gridDim.x + split) * G;
+    const long long base = (((long long)qt * gridDim.y + vh) * gridDim.x + split) * G;
     for (int x = threadIdx.x; x < G * D; x += blockDim.x) {
         const int h = x / D;
         float m_max = neg_inf();
@@ -615,14 +621,14 @@ __SPLIT_AND_VIEWS__
     }
 """
 
-# Template constants: O (output dtype), D, G. One block per (query row, query head), a thread
-# per dim; the row's own split count.
+# Template constants: O (output dtype), D, G (query heads per part of a KV group). One block
+# per (query row, query head), a thread per dim; the row's own split count.
 _COMBINE = """
     using namespace qwen38_dattn;
     const int HQ = m_part_shape[1] * G;
-    const int qt = blockIdx.x / HQ, hq = blockIdx.x % HQ, kvh = hq / G, g = hq % G;
+    const int qt = blockIdx.x / HQ, hq = blockIdx.x % HQ, vh = hq / G, g = hq % G;
     const int S = splits[qt];
-    const long long row = (((long long)qt * m_part_shape[1] + kvh) * m_part_shape[2]) * G + g;
+    const long long row = (((long long)qt * m_part_shape[1] + vh) * m_part_shape[2]) * G + g;
     // unrolled: the splits' loads go out together (each loop is carried over S, and rolled
     // it waited for every load in turn: ~11 us a layer on the H200 at 16 splits)
     float m_max = neg_inf();
@@ -701,18 +707,27 @@ def _mma_smem_bytes(head_dim: int, group: int) -> int:
 
 def uses_tensor_cores(q: mx.array, k: mx.array) -> bool:
     """Whether decode_attention runs the tensor-core kernel for these inputs (else the
-    fp32-FMA one): q and K/V in one half-precision dtype, at most 8 query heads per KV head."""
-    return _tensor_cores(q.shape[1] // k.shape[1], k.shape[3], q.dtype, k.dtype, TENSOR_CORES)
+    fp32-FMA one): q and K/V in one half-precision dtype."""
+    return _tensor_cores(k.shape[3], q.dtype, k.dtype, TENSOR_CORES)
 
 
-def _tensor_cores(group: int, d: int, q_dtype: mx.Dtype, k_dtype: mx.Dtype, on: bool) -> bool:
-    return (
-        on
-        and q_dtype == k_dtype
-        and k_dtype in (mx.float16, mx.bfloat16)
-        and group <= 8
-        and d in HEAD_DIMS
-    )
+def _tensor_cores(d: int, q_dtype: mx.Dtype, k_dtype: mx.Dtype, on: bool) -> bool:
+    return on and q_dtype == k_dtype and k_dtype in (mx.float16, mx.bfloat16) and d in HEAD_DIMS
+
+
+def head_parts(group: int, d: int, k_dtype: mx.Dtype, tensor_cores: bool) -> int:
+    """Blocks a KV group's `group` query heads are split over (each reads the group's K/V,
+    the second time mostly from L2): the fewest that divide the group into parts the form
+    takes. Tensor cores serve up to 8 heads a block (one m16 fragment's rows, with the other
+    8 left for the padding); the fp32-FMA form holds a head's query in MAX_Q_REGISTERS and
+    pads the heads to a power of two within a row's lanes. Flash-Next's 12 heads a KV head
+    run as two parts of 6."""
+    if tensor_cores:
+        most = 8
+    else:
+        lanes = _lanes(k_dtype, d)
+        most = min(MAX_Q_REGISTERS * lanes // d, lanes)
+    return next((s for s in range(1, group + 1) if group % s == 0 and group // s <= most), 0)
 
 
 @functools.cache
@@ -767,14 +782,13 @@ def _check_heads(
             f"decode attention: dtypes q {q_dtype}, k {k_dtype}, v {v_dtype}: K and V must "
             "share one of float16, bfloat16, float32"
         )
-    group = hq // hkv
-    if _tensor_cores(group, d, q_dtype, k_dtype, tensor_cores):
+    if _tensor_cores(d, q_dtype, k_dtype, tensor_cores):
         return
     lanes = _lanes(k_dtype, d)  # the fp32-FMA form's limits
     if d not in HEAD_DIMS or lanes < 8:
         raise ValueError(f"decode attention: head_dim {d} with {k_dtype} is not supported")
-    if 1 << (group - 1).bit_length() > lanes or group * d // lanes > MAX_Q_REGISTERS:
-        raise ValueError(f"decode attention: {group} query heads per KV head is too many")
+    if MAX_Q_REGISTERS * lanes // d < 1:
+        raise ValueError(f"decode attention: head_dim {d} with {k_dtype} is too wide")
 
 
 @functools.cache
@@ -833,8 +847,10 @@ def decode_attention(
         check_pages(pages, page_tokens, length, k)
         page_list, length_arg = pages, mx.array([length], dtype=mx.int32)
     mma = uses_tensor_cores(q, k)  # one decision per call: the split count and the kernel
+    sub = head_parts(group, d, k.dtype, mma)
+    parts, group = hkv * sub, group // sub  # block rows, query heads a block serves
     if splits is None:
-        counts = [n_splits(length - rows + 1 + t, hkv, mma) for t in range(rows)]
+        counts = [n_splits(length - rows + 1 + t, parts, mma) for t in range(rows)]
     elif rows == 1 and 1 <= splits <= length:
         counts = [splits]
     else:
@@ -853,13 +869,13 @@ def decode_attention(
         inputs = [qf, k, v, per_row, page_list, length_arg]
     o_part, m_part, l_part = kernel(
         inputs=inputs,
-        template=[("T", k.dtype), ("D", d), ("G", group), ("P", page_tokens)],
-        grid=(most * threads, hkv, rows),
+        template=[("T", k.dtype), ("D", d), ("G", group), ("SUB", sub), ("P", page_tokens)],
+        grid=(most * threads, parts, rows),
         threadgroup=(threads, 1, 1),
         output_shapes=[
-            (rows, hkv, most, group, d),
-            (rows, hkv, most, group),
-            (rows, hkv, most, group),
+            (rows, parts, most, group, d),
+            (rows, parts, most, group),
+            (rows, parts, most, group),
         ],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )

@@ -216,8 +216,8 @@ def test_decode_attention_compiles(recorded, tmp_path, form):
     types = {"q": BF16 if form == "mma" else "float", "k": BF16, "v": BF16, "scale": "float"}
     types.update(splits="int32_t", pages="int32_t", n_keys="int32_t")
     types.update(o_part="float", m_part="float", l_part="float")
-    for paged in (0, 16):
-        template = [("T", mx.bfloat16), ("D", 256), ("G", 6), ("P", paged)]
+    for paged, sub in ((0, 1), (16, 1), (4, 2)):  # (4, 2): Flash-Next's QSA blocks
+        template = [("T", mx.bfloat16), ("D", 256), ("G", 6), ("SUB", sub), ("P", paged)]
         compiles(tmp_path, partial, types, template)
     types = {"o_part": "float", "m_part": "float", "l_part": "float", "splits": "int32_t"}
     types["out"] = BF16

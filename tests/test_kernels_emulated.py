@@ -422,6 +422,33 @@ def test_decode_attention_kernels_match_sdpa(monkeypatch, kv_dtype):
         clear_caches(decode_attention)
 
 
+@pytest.mark.slow
+def test_decode_attention_splits_a_large_group_into_parts(monkeypatch):
+    """Flash-Next's 12 query heads a KV head (fp32 K/V of 256: the FMA form holds 8 heads'
+    queries) run as two parts of 6, each its own row of blocks over the same K/V: within
+    tolerance of mx.fast.scaled_dot_product_attention, and a paged call over blocks of 4
+    rows (QSA's selected blocks, a partial last one) equals the call on the gathered rows."""
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    emulate(monkeypatch, decode_attention)
+    monkeypatch.setattr(decode_attention, "TENSOR_CORES", False)
+    try:
+        assert decode_attention.head_parts(12, 256, mx.float32, False) == 2
+        keys = mx.random.split(mx.random.key(4), 3)
+        k = mx.random.normal((1, 2, 96, 256), key=keys[0])
+        v = mx.random.normal((1, 2, 96, 256), key=keys[1])
+        q = mx.random.normal((1, 24, 1, 256), key=keys[2])
+        for length in (1, 70, 96):
+            got = decode_attention.decode_attention(q, k[:, :, :length], v[:, :, :length], 0.0625)
+            want = mx.fast.scaled_dot_product_attention(
+                q, k[:, :, :length], v[:, :, :length], scale=0.0625
+            )
+            assert decode_attention.mismatch(got, want) <= 1.0, length
+        assert decode_attention.paged_matches(q, k, v, 0.0625, 4)
+    finally:
+        clear_caches(decode_attention)
+
+
 # ----- kernels the H200 has run: emulated too (--run-slow), so a CPU-only change to them is
 # checked before a GPU sees it -------------------------------------------------------------------
 @pytest.mark.slow
