@@ -190,7 +190,11 @@ def qsa_available(n_blocks: int, ratio: int) -> bool:
     decided = switched("QWEN38_QSA_SELECT_KERNEL", supported)
     if decided is not None:
         return decided
-    cases = [(n_blocks + 256, n_blocks + 100, 0), (4 * n_blocks + 300, 3 * n_blocks, ratio - 1)]
+    # the second tail: a step's causal tail, or (ratio 1: block ids) the tail's block
+    cases = [
+        (n_blocks + 256, n_blocks + 100, 0),
+        (4 * n_blocks + 300, 3 * n_blocks, max(ratio - 1, 1)),
+    ]
 
     def check() -> None:
         for seed, (n, visible, width) in enumerate(cases):

@@ -55,7 +55,6 @@ def test_one_token_attention_is_the_mlx_op_on_cpu(monkeypatch):
         (((1, 6, 1, 64), (1, 2, 0, 64), (1, 2, 0, 64)), "no keys"),
         (((1, 6, 1, 64), (1, 4, 9, 64), (1, 4, 9, 64)), "not a multiple"),
         (((1, 6, 1, 48), (1, 2, 9, 48), (1, 2, 9, 48)), "head_dim 48"),
-        (((1, 64, 1, 64), (1, 1, 9, 64), (1, 1, 9, 64)), "too many"),
     ],
 )
 def test_bad_shapes_are_refused(shapes, message):
@@ -63,6 +62,18 @@ def test_bad_shapes_are_refused(shapes, message):
     with pytest.raises(ValueError, match=message):
         kernel.decode_attention(q, k, v, 1.0)
     assert not kernel.supported(q, k, v)
+
+
+def test_a_large_group_runs_in_parts():
+    """No group is refused: one too large for a form is split into the fewest equal parts it
+    takes (tensor cores: 8 heads a block; fp32 FMAs at D 64: 16 heads' queries)."""
+    assert kernel.head_parts(6, 256, mx.bfloat16, True) == 1
+    assert kernel.head_parts(12, 256, mx.bfloat16, True) == 2
+    assert kernel.head_parts(9, 256, mx.bfloat16, True) == 3
+    assert kernel.head_parts(64, 64, mx.float32, False) == 4
+    assert kernel.head_parts(12, 256, mx.float32, False) == 2
+    q, k, v = mx.zeros((1, 64, 1, 64)), mx.zeros((1, 1, 9, 64)), mx.zeros((1, 1, 9, 64))
+    kernel.check_shapes(q, k, v)
 
 
 def test_bad_dtypes_and_splits_are_refused():

@@ -291,6 +291,51 @@ def test_flash_next_greedy_with_the_qsa_select_kernel(emulated_select, tmp_path,
     assert len(calls) > 6  # the probe's calls, then the steps'
 
 
+@pytest.mark.slow  # ~40 s: every attention of four generations emulated
+@pytest.mark.parametrize(
+    "store", [{}, {"kv_paged": "on", "kv_page_tokens": 8}], ids=["contiguous", "paged"]
+)
+def test_flash_next_reads_its_chosen_blocks_in_place(emulated_select, monkeypatch, tmp_path, store):
+    """A tiny Flash-Next (fp32, a 2-block budget) decoding past its dense threshold with the
+    split-KV kernel emulated: each QSA step reads its chosen blocks and tail in the store's
+    own buffers (blocks of 4 rows as the kernel's pages, through the page table when paged),
+    and the greedy tokens are those of the gathered path."""
+    import qwen38_backend
+    from qwen38_backend.kv import one_token
+    from qwen38_backend.testing import make_tiny_weights
+
+    emulate(monkeypatch, decode_attention)
+    monkeypatch.setattr(decode_attention, "TENSOR_CORES", False)
+    monkeypatch.setenv("QWEN38_DECODE_ATTN_KERNEL", "force")  # its probe: its own tests
+    path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
+    prompt = [(7 * i + 3) % 200 + 2 for i in range(12)]
+    block_reads = []
+    real = decode_attention.decode_attention
+
+    def counted(*args, **kwargs):
+        block_reads.append(kwargs.get("page_tokens") == 4 and kwargs["pages"].shape[1] == 3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", counted)
+
+    def tokens(in_place: bool) -> list[int]:
+        monkeypatch.setattr(one_token, "READ_PAGES_IN_PLACE", in_place)
+        qsa._DECODE_TOKENS.clear()
+        model = qwen38_backend.load(str(path), dtype="float32")
+        return list(model.generate_tokens(prompt, max_tokens=6, stop_token_ids=[], **store))
+
+    mx.disable_compile()
+    try:
+        gathered = tokens(False)
+        assert not any(block_reads)
+        block_reads.clear()
+        assert tokens(True) == gathered
+    finally:
+        mx.enable_compile()
+        clear_caches(decode_attention)
+    assert sum(block_reads) >= 5  # QSA steps past the threshold (n_blocks 2 + the tail's)
+
+
 @pytest.mark.parametrize(
     "rows, n, n_select",
     [(1, 300, 16), (4, 700, 64), (1, 2600, 128), (2, 1500, 1000)],

@@ -160,3 +160,29 @@ def test_auto_pool_from_available_memory(monkeypatch):
     assert all(s.pool.max_pages == -(-tokens // 4) for s in stores)
     assert auto_pool_tokens(None, 10) is None
     assert auto_pool_tokens(10, 10) == 0  # less than the headroom: nothing to give
+
+
+def test_block_pool_maps_blocks_through_the_page_table():
+    """QSA's in-place reads (PagedKV.block_pool): with two stores taking turns on one pool
+    (neither table identity-mapped), the rows of blocks of 4 read from the pool view at the
+    mapped ids are the store's own rows (its gather); pages that are not whole blocks give
+    None (the caller gathers)."""
+    pool = PagePool(8)
+    stores = [PagedKV(page_tokens=8, budget=10**6, pool=pool) for _ in range(2)]
+    rows = {}
+    for step in range(5):
+        for i, store in enumerate(stores):
+            k = mx.random.normal((2, 9, 16), key=mx.random.key(10 * step + i))
+            store.append(k, -k)
+            rows.setdefault(i, []).append(k)
+    store = stores[1]
+    assert not store.table.identity
+    keys, values, to_pool = store.block_pool(4)
+    blocks = mx.array([0, 3, 4, 9, 10], dtype=mx.int32)  # 45 rows: blocks 0..11
+    pooled = to_pool(blocks)
+    at = (pooled[:, None] * 4 + mx.arange(4)).reshape(-1)
+    want_k, want_v = store.gather((blocks[:, None] * 4 + mx.arange(4)).reshape(-1))
+    assert mx.array_equal(keys[0][:, at], want_k).item()
+    assert mx.array_equal(values[0][:, at], want_v).item()
+    assert mx.array_equal(mx.concatenate(rows[1], axis=1)[:, 36:40], keys[0][:, at[12:16]])
+    assert store.block_pool(3) is None  # pages of 8 are not whole blocks of 3

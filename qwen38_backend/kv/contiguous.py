@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from ..rows import STEP_MAX_ROWS
@@ -55,6 +57,16 @@ class ContiguousKV:
         # squeeze, not [0]: indexing the first axis is a Gather that copies the whole buffer
         keys, values = self.keys.squeeze(0), self.values.squeeze(0)
         return mx.take(keys, positions, axis=1), mx.take(values, positions, axis=1)
+
+    def block_pool(
+        self, block_tokens: int
+    ) -> tuple[mx.array, mx.array, Callable[[mx.array], mx.array]] | None:
+        """The buffers [1, Hkv, capacity, D] whose rows, in blocks of block_tokens, the
+        split-KV kernel reads as pages, and the map from the sequence's block ids to theirs
+        (here the same ids); None before the first write."""
+        if self.keys is None:
+            return None
+        return self.keys, self.values, lambda blocks: blocks
 
     def reserve(self, n: int) -> None:
         """Capacity for n more rows now, so appending them later moves no buffer."""

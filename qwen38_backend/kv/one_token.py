@@ -35,6 +35,15 @@ def attend_gathered(q: mx.array, keys: mx.array, values: mx.array, scale: float)
 READ_PAGES_IN_PLACE = True
 
 
+def pages_in_place(q: mx.array, pool_k: mx.array, pool_v: mx.array, page_tokens: int) -> bool:
+    """Whether attend_pages reads these pages in place (the CUDA kernel runs here for these
+    shapes and its paged probe passed), rather than gathering their rows first."""
+    kernel = kernel_module("decode_attention")
+    return (
+        READ_PAGES_IN_PLACE and kernel is not None and kernel.usable(q, pool_k, pool_v, page_tokens)
+    )
+
+
 def attend_pages(
     q: mx.array,
     pool_k: mx.array,
@@ -51,8 +60,8 @@ def attend_pages(
     same bits: the kernel's probe checks it)."""
     if pages.ndim != 2 or pages.shape[0] != pool_k.shape[1]:
         raise ValueError(f"pages must be [Hkv={pool_k.shape[1]}, n], got {pages.shape}")
-    kernel = kernel_module("decode_attention")
-    if READ_PAGES_IN_PLACE and kernel is not None and kernel.usable(q, pool_k, pool_v, page_tokens):
+    if pages_in_place(q, pool_k, pool_v, page_tokens):
+        kernel = kernel_module("decode_attention")
         return kernel.decode_attention(
             q, pool_k, pool_v, scale, pages=pages, page_tokens=page_tokens, length=length
         )

@@ -458,6 +458,23 @@ class PagedKV:
             self.pool.touch(pinned)
         return keys, values
 
+    def block_pool(
+        self, block_tokens: int
+    ) -> tuple[mx.array, mx.array, Callable[[mx.array], mx.array]] | None:
+        """The pool [1, Hkv, slots * page_tokens, D] as blocks of block_tokens rows the
+        split-KV kernel reads as pages, and the map from the sequence's block ids to the
+        pool's (through the page table); None with a page spilled (a gather fetches it) or
+        pages that are not whole blocks."""
+        P = self.page_tokens
+        if self.pool.k is None or self.table.n_spilled or P % block_tokens:
+            return None
+        per = P // block_tokens
+        k, v = self.pool.k[None], self.pool.v[None]
+        if self.table.identity:
+            return k, v, lambda blocks: blocks
+        slots = self.table.array()
+        return k, v, lambda blocks: slots[blocks // per] * per + blocks % per
+
     def gather_limit(self) -> int | None:
         """Pages one gather may make resident at once (half a bounded pool: the open page
         and the next writes need room too); None when the pool is unbounded."""

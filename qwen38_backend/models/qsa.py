@@ -8,9 +8,11 @@ sum_h relu(q_h . k_b) / sqrt(d) in fp32, ties to the LOWER block id;
 plus the causal tail 4 * nvis .. p. The functions here are pure so a
 paged store can call them; `QSAState` keeps the indexer tensors beside a KV store.
 
-Attention past the dense threshold GATHERS each query's tokens (n_blocks * ratio selected
-plus a causal tail of at most ratio - 1) through the store's `gather(positions)`: its cost
-per token does not grow with the context. Prefill queries go in groups sized so that one
+Attention past the dense threshold reads each query's tokens (n_blocks * ratio selected
+plus a causal tail of at most ratio - 1): a decode step on CUDA in place, through the
+split-KV kernel's page lists with the store's blocks of `ratio` rows as pages
+(`block_pool`), elsewhere GATHERED through the store's `gather(positions)`; either way its
+cost per token does not grow with the context. Prefill queries go in groups sized so that one
 group's gathered K/V and block scores stay near GATHER_BYTES; a query's token set is padded
 to the fixed width n_blocks * ratio + ratio - 1 and the padding masked out.
 """
@@ -25,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernel_import import kernel_module
-from ..kv.one_token import attend_gathered
+from ..kv.one_token import attend_gathered, attend_pages, pages_in_place
 from ..rows import STEP_MAX_ROWS, per_row
 from ..state import RewindError
 from .layers import Attention, RMSNorm, RopeSpec, compiled
@@ -188,9 +190,11 @@ def decode_tokens(
     ratio: int,
     n_blocks: int,
     kernel: bool = False,
+    per_block: int = 0,
 ) -> mx.array:
     """Token ids one decoding query at `offset` (past the dense threshold) gathers: its
     n_blocks best visible blocks in ascending order, then `tail` (its causal tail 4 * nvis..p).
+    `per_block` 1: the blocks' ids instead of their tokens (the tail then its block's id).
 
     qi [1, Hi, D]; `pooled` is the whole pooled-key buffer (rows from the visible blocks on are
     masked out) and `offset` an array, so the shapes change only with the buffer's capacity and
@@ -199,9 +203,10 @@ def decode_tokens(
     cap = pooled.shape[0]
     visible = _arange(cap) < (offset + 1) // ratio
     scores = mx.where(visible, block_scores(qi, pooled), -mx.inf).reshape(cap)
+    per_block = per_block or ratio
     if kernel:
-        return kernel_module("top_select").decode_tokens(scores, tail, n_blocks, ratio)
-    return op_decode_tokens(scores, tail, n_blocks, ratio)
+        return kernel_module("top_select").decode_tokens(scores, tail, n_blocks, per_block)
+    return op_decode_tokens(scores, tail, n_blocks, per_block)
 
 
 def op_decode_tokens(scores: mx.array, tail: mx.array, n_blocks: int, ratio: int) -> mx.array:
@@ -217,14 +222,18 @@ def op_decode_tokens(scores: mx.array, tail: mx.array, n_blocks: int, ratio: int
     return mx.concatenate([toks, tail]) if tail.size else toks
 
 
-_DECODE_TOKENS: dict[tuple[int, int, bool], Callable] = {}
+_DECODE_TOKENS: dict[tuple[int, int, bool, int], Callable] = {}
 
 
-def decode_tokens_step(ratio: int, n_blocks: int, kernel: bool = False) -> Callable:
+def decode_tokens_step(
+    ratio: int, n_blocks: int, kernel: bool = False, per_block: int = 0
+) -> Callable:
     """`decode_tokens` compiled: ~30 selection ops replayed as one graph per decode step."""
-    key = (ratio, n_blocks, kernel)
+    key = (ratio, n_blocks, kernel, per_block)
     if key not in _DECODE_TOKENS:
-        fn = partial(decode_tokens, ratio=ratio, n_blocks=n_blocks, kernel=kernel)
+        fn = partial(
+            decode_tokens, ratio=ratio, n_blocks=n_blocks, kernel=kernel, per_block=per_block
+        )
         _DECODE_TOKENS[key] = mx.compile(fn)
     return _DECODE_TOKENS[key]
 
@@ -499,6 +508,27 @@ class QSAAttention(Attention):
         st.kv.store(k, v)
         return self._attend_selected(q, qi, positions, st, offset)
 
+    def _attend_blocks(
+        self, q: mx.array, qi: mx.array, st: QSAState, offset: int, at: mx.array, n_tail: int
+    ) -> mx.array | None:
+        """A decode step's attention over its chosen blocks and causal tail (n_tail rows)
+        read in place: the blocks of `ratio` rows are the split-KV kernel's pages, the tail's
+        block last (n_tail of its rows read; with no tail it is the query's own block, not
+        read). None where the kernel does not read the store's pages in place (CPU, a
+        spilled page, pages not whole blocks): the caller gathers. The same keys and values
+        as the gather's, in the kernel's order of sums (its probe: equal to a gathered call)."""
+        view = getattr(st.kv, "block_pool", lambda _: None)(self.ratio)
+        if view is None or not pages_in_place(q, view[0], view[1], self.ratio):
+            return None
+        keys, values, to_pool = view
+        tail = mx.array([offset // self.ratio], dtype=mx.int32)
+        kernel = select_kernel(self.n_blocks, 1, st.pooled.shape[0])
+        select = decode_tokens_step(self.ratio, self.n_blocks, kernel, per_block=1)
+        blocks = to_pool(select(qi, st.pooled, at, tail))
+        pages = mx.broadcast_to(blocks[None], (keys.shape[1], blocks.shape[0]))
+        length = self.n_blocks * self.ratio + n_tail
+        return attend_pages(q, keys, values, pages, length, self.ratio, self.scale, shared=True)
+
     def _attend_selected(
         self, q: mx.array, qi: mx.array, positions: mx.array, st: QSAState, offset: int
     ) -> mx.array:
@@ -506,8 +536,11 @@ class QSAAttention(Attention):
         T = q.shape[2]
         if T == 1:  # decode: exactly n_blocks blocks plus a tail known on the host
             start = (offset + 1) // self.ratio * self.ratio
-            tail = mx.array(list(range(start, offset + 1)), dtype=mx.int32)
             at = mx.array(offset, dtype=mx.int32)  # an input of the compiled selection
+            in_place = self._attend_blocks(q, qi, st, offset, at, offset + 1 - start)
+            if in_place is not None:
+                return in_place
+            tail = mx.array(list(range(start, offset + 1)), dtype=mx.int32)
             kernel = select_kernel(self.n_blocks, self.ratio, st.pooled.shape[0])
             select = decode_tokens_step(self.ratio, self.n_blocks, kernel)
             idx = select(qi, st.pooled, at, tail)
