@@ -27,7 +27,8 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
   must decode the same tokens);
 - with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
   on (routing, stream mixes, routed experts, QSA's selection: kernels/moe_route.py,
-  stream_mix.py, expert_qmv.py, top_select.py; the rest off), the sets taking turns run by
+  stream_mix.py, expert_qmv.py, top_select.py; "inplace": QSA steps reading their chosen
+  blocks in place through kernels/decode_attention.py; the rest off), the sets taking turns run by
   run, the layers that chose them, whether the tokens are the default's and the first that
   is not (against the default's gap between its two largest logits at each step,
   "margins");
@@ -185,6 +186,7 @@ def by_stride(args, model, state, first: int, want: list[int], bound: float) -> 
 
 
 STEP_KERNELS = {"route": "ROUTE", "stream": "STREAM", "expert": "EXPERT", "select": "QSA_SELECT"}
+IN_PLACE = "inplace"  # a set's name for QSA's in-place block reads (no environment switch)
 # each step kernel's module and its cached probe (cleared when the switches change)
 STEP_PROBES = {
     "moe_route": "available",
@@ -221,12 +223,16 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
     import mlx.nn as nn
 
     from qwen38_backend.kernel_import import kernel_module
+    from qwen38_backend.kv import one_token
     from qwen38_backend.models.hyper_connections import GatedResidual
     from qwen38_backend.models.moe import SparseMoE
     from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
 
     for name, env in STEP_KERNELS.items():
         os.environ[f"QWEN38_{env}_KERNEL"] = "auto" if name in chosen else "off"
+    # "inplace": QSA steps read their chosen blocks in place (the split-KV kernel's page
+    # lists) rather than gathering them for MLX's attention
+    one_token.READ_PAGES_IN_PLACE = IN_PLACE in chosen
     for module_name, probe in STEP_PROBES.items():
         kernels = kernel_module(module_name)
         if kernels is not None:
@@ -261,9 +267,11 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
     variants = {}
     for variant in args.step_kernels.split(","):
         chosen = set() if variant == "off" else set(variant.split("+"))
-        unknown = chosen - set(STEP_KERNELS)
+        unknown = chosen - set(STEP_KERNELS) - {IN_PLACE}
         if unknown:
-            raise SystemExit(f"--step-kernels: unknown {sorted(unknown)}; use {list(STEP_KERNELS)}")
+            raise SystemExit(
+                f"--step-kernels: unknown {sorted(unknown)}; use {[*STEP_KERNELS, IN_PLACE]}"
+            )
         variants[variant] = chosen
     runs = {v: [] for v in variants}
     tokens = {v: [] for v in variants}
@@ -333,7 +341,8 @@ def main() -> None:
     ap.add_argument(
         "--step-kernels",
         default=None,
-        help="comma list of step-kernel sets (off, or +-joined route / stream / expert, e.g. "
+        help="comma list of step-kernel sets (off, or +-joined route / stream / expert / select "
+        "/ inplace, e.g. "
         "off,route+stream,route+stream+expert): decode tok/s with each switched on (auto), "
         "the same weights and prompt, after the default",
     )

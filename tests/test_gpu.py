@@ -211,7 +211,8 @@ def test_decode_attention_kernel_layouts(layout, dtype):
 
 
 @pytest.mark.parametrize(
-    ("hq", "hkv", "d"), [(24, 4, 128), (24, 4, 64), (8, 8, 128), (16, 2, 64), (8, 4, 32)]
+    ("hq", "hkv", "d"),
+    [(24, 4, 128), (24, 4, 64), (8, 8, 128), (16, 2, 64), (8, 4, 32), (24, 2, 256)],
 )
 def test_decode_attention_kernel_other_heads(hq, hkv, d):
     kernel = _decode_kernel()
@@ -857,6 +858,43 @@ def test_flash_next_greedy_with_the_qsa_select_kernel_on_gpu(tmp_path, monkeypat
     assert len(calls) > 2  # the probe's two, then the steps' traces
     assert_verify_rows_equal_steps(model, 37, STORES["contiguous"])
     top_select.qsa_available.cache_clear()
+    qsa._DECODE_TOKENS.clear()
+
+
+@pytest.mark.parametrize("store", ["contiguous", "paged"])
+def test_flash_next_reads_its_chosen_blocks_in_place_on_gpu(tmp_path, monkeypatch, store):
+    """A tiny Flash-Next (bf16, 2-block budget) past its dense threshold: its QSA steps read
+    the chosen blocks and tail in the store's buffers through the split-KV kernel (blocks of
+    4 rows as pages), and the greedy tokens are the gathered path's."""
+    import qwen38_backend
+    from qwen38_backend.kv import one_token
+    from qwen38_backend.models import qsa
+    from qwen38_backend.testing import make_tiny_weights
+
+    kernel = _decode_kernel()
+    path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="bfloat16")
+    prompt = [(7 * i + 3) % 200 + 2 for i in range(19)]
+    reads = []
+    real = kernel.decode_attention
+
+    def counted(*args, **kwargs):
+        reads.append(kwargs.get("page_tokens") == 4)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "decode_attention", counted)
+
+    def tokens(in_place: bool) -> list[int]:
+        monkeypatch.setattr(one_token, "READ_PAGES_IN_PLACE", in_place)
+        qsa._DECODE_TOKENS.clear()
+        model = qwen38_backend.load(str(path), dtype="bfloat16")
+        return list(
+            model.generate_tokens(prompt, max_tokens=12, stop_token_ids=[], **STORES[store])
+        )
+
+    gathered = tokens(False)
+    assert not any(reads)
+    assert tokens(True) == gathered
+    assert sum(reads) >= 10
     qsa._DECODE_TOKENS.clear()
 
 
