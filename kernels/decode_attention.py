@@ -715,6 +715,7 @@ def _tensor_cores(d: int, q_dtype: mx.Dtype, k_dtype: mx.Dtype, on: bool) -> boo
     return on and q_dtype == k_dtype and k_dtype in (mx.float16, mx.bfloat16) and d in HEAD_DIMS
 
 
+@functools.cache
 def head_parts(group: int, d: int, k_dtype: mx.Dtype, tensor_cores: bool) -> int:
     """Blocks a KV group's `group` query heads are split over (each reads the group's K/V,
     the second time mostly from L2): the fewest that divide the group into parts the form
@@ -791,6 +792,14 @@ def _check_heads(
         raise ValueError(f"decode attention: head_dim {d} with {k_dtype} is too wide")
 
 
+@functools.lru_cache(maxsize=512)
+def _int32s(values: tuple[int, ...]) -> mx.array:
+    """A call's small int32 input (split counts, a paged length), made once per value: a
+    decode step asks for the same few every layer, and each new array is host work and a
+    copy to the device."""
+    return mx.array(values, dtype=mx.int32)
+
+
 @functools.cache
 def _unpaged() -> tuple[mx.array, mx.array]:
     """The `pages` and `length` inputs of a call without pages (the kernel reads neither)."""
@@ -845,7 +854,7 @@ def decode_attention(
         if rows != 1:
             raise ValueError("decode attention: a paged call takes one query row")
         check_pages(pages, page_tokens, length, k)
-        page_list, length_arg = pages, mx.array([length], dtype=mx.int32)
+        page_list, length_arg = pages, _int32s((length,))
     mma = uses_tensor_cores(q, k)  # one decision per call: the split count and the kernel
     sub = head_parts(group, d, k.dtype, mma)
     parts, group = hkv * sub, group // sub  # block rows, query heads a block serves
@@ -856,7 +865,7 @@ def decode_attention(
     else:
         raise ValueError(f"decode attention: splits={splits} must be in [1, L={length}], one row")
     most = max(counts)
-    per_row = mx.array(counts, dtype=mx.int32)
+    per_row = _int32s(tuple(counts))
     if mma:
         # query rows [T * Hq, D] in their own dtype, row-contiguous
         q_rows = mx.contiguous(q.transpose(0, 2, 1, 3).reshape(rows * hq, d))
