@@ -12,7 +12,8 @@ achieved GB/s (K + V bytes / seconds) against the 4.8 TB/s bound, the ratios to
 mx.fast.scaled_dot_product_attention and to the kernel's fp32-FMA form (TENSOR_CORES off)
 measured in the same run, peak memory of each, and the
 kernel's error against the MLX op. --sweep-splits also times other split counts at the
-longest length. CUDA only.
+longest length, --sweep-paged at a paged call over the --gathered rows (Quest's in-place
+read: at 2,048 rows its blocks are latency-bound, session 32). CUDA only.
 """
 
 from __future__ import annotations
@@ -103,11 +104,12 @@ def case(kernel, name: str, q, k, v, args, bound: float) -> dict:
     return row
 
 
-def sweep_splits(kernel, q, k, v, counts: list[int], args) -> dict:
-    """The kernel at other split counts (blocks per KV head) on the same K/V."""
-    length, rows = k.shape[2], []
+def sweep_splits(kernel, q, k, v, counts: list[int], args, **paged) -> dict:
+    """The kernel at other split counts (blocks per KV head) on the same K/V (`paged`: the
+    pages, page_tokens and length of a paged call over k / v as a pool)."""
+    length, rows = paged.get("length", k.shape[2]), []
     for s in counts:
-        call = lambda s=s: kernel.decode_attention(q, k, v, D**-0.5, splits=s)  # noqa: E731
+        call = lambda s=s: kernel.decode_attention(q, k, v, D**-0.5, splits=s, **paged)  # noqa: E731
         t = timed(call, args.runs, args.inner)
         t["splits"] = s
         t["GBps"] = 2 * HKV * length * D * k.dtype.size / t["median_s"] / 1e9
@@ -123,6 +125,11 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--gathered", type=int, default=2048, help="rows of the Quest-like case")
     ap.add_argument("--sweep-splits", default="16,33,66,132,264")
+    ap.add_argument(
+        "--sweep-paged",
+        default="4,8,16,32",
+        help="split counts for a paged Quest-like call (--gathered rows in 32-row pages)",
+    )
     ap.add_argument("--bandwidth-gbps", type=float, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -163,6 +170,17 @@ def main() -> None:
     rows = mx.sort(mx.random.permutation(4 * n, key=keys[2])[:n])
     k, v = mx.take(pool_k, rows, axis=1)[None], mx.take(pool_v, rows, axis=1)[None]
     result["rows"].append(case(kernel, "gathered", q, k, v, args, bound))
+    if args.sweep_paged:
+        # the same rows read in place, as a Quest step does: whole 32-row pages of the pool
+        P = 32
+        pages = mx.sort(mx.random.permutation(4 * n // P, key=keys[2])[: n // P])
+        pages = mx.broadcast_to(pages.astype(mx.int32)[None], (HKV, n // P))
+        counts = [int(x) for x in args.sweep_paged.split(",")]
+        paged = {"pages": pages, "page_tokens": P, "length": n}
+        result["paged_sweep"] = sweep_splits(
+            kernel, q, pool_k[None], pool_v[None], counts, args, **paged
+        )
+        result["paged_sweep"]["default_splits"] = kernel.n_splits(n, HKV, True)
     write_json(result, args.out)
 
 
