@@ -275,14 +275,14 @@ def test_paged_decode_attention_equals_gathered_rows(page_tokens, dtype):
     assert kernel.mismatch(got, want) <= 1.0
 
 
-def _count_calls(monkeypatch, module, name: str) -> list:
-    """A list that gets an entry for every call of module.name from now on (the function
-    still runs)."""
+def _count_calls(monkeypatch, module, name: str, record=lambda *_, **__: 1) -> list:
+    """A list that gets record(*args, **kwargs) for every call of module.name from now on
+    (the function still runs)."""
     calls: list = []
     original = getattr(module, name)
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(record(*args, **kwargs))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, name, counted)
@@ -874,14 +874,9 @@ def test_flash_next_reads_its_chosen_blocks_in_place_on_gpu(tmp_path, monkeypatc
     kernel = _decode_kernel()
     path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="bfloat16")
     prompt = [(7 * i + 3) % 200 + 2 for i in range(19)]
-    reads = []
-    real = kernel.decode_attention
-
-    def counted(*args, **kwargs):
-        reads.append(kwargs.get("page_tokens") == 4)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kernel, "decode_attention", counted)
+    reads = _count_calls(
+        monkeypatch, kernel, "decode_attention", lambda *_, **kw: kw.get("page_tokens") == 4
+    )
 
     def tokens(in_place: bool) -> list[int]:
         monkeypatch.setattr(one_token, "READ_PAGES_IN_PLACE", in_place)

@@ -517,7 +517,7 @@ class QSAAttention(Attention):
         read). None where the kernel does not read the store's pages in place (CPU, a
         spilled page, pages not whole blocks): the caller gathers. The same keys and values
         as the gather's, in the kernel's order of sums (its probe: equal to a gathered call)."""
-        view = getattr(st.kv, "block_pool", lambda _: None)(self.ratio)
+        view = st.kv.block_pool(self.ratio)
         if view is None or not pages_in_place(q, view[0], view[1], self.ratio):
             return None
         keys, values, to_pool = view
