@@ -11,6 +11,14 @@ graphs again every token. Per setting: pipelined plain decode tok/s (median of -
 the latency of one synchronous forward of 1 and of 3 rows (what a speculative round waits
 for), medians of --sync-runs. `--dims tiny` keeps the step's kernels and makes them nearly
 free: its times are the host's.
+
+`--flash-args "..."` runs `bench_flash_full.py` with those arguments per setting instead
+(Flash-Next's step is bound by the host's launches, ~1,700 a token, so its graphs' split and
+cache may matter where the 27B's did not, session 10) and records its decode and prefill:
+
+    python benchmarks/probe_graph_settings_gpu.py --settings default,cache1000,cache1000_ops100 \
+        --flash-args "--dims flash --layers 48 --experts 512 --experts-bits 4 --depth 4096 \
+        --decode 32 --runs 3 --prefill 4096" --out graph_settings_flash.json
 """
 
 from __future__ import annotations
@@ -18,9 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +77,25 @@ def worker(args) -> dict:
     }
 
 
+def flash_bench(flash_args: str, env: dict) -> dict:
+    """bench_flash_full.py with `flash_args` under `env`: its decode and prefill figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "flash.json"
+        cmd = [sys.executable, str(HERE / "bench_flash_full.py"), *shlex.split(flash_args)]
+        done = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True)
+        if done.returncode:
+            return {"error": done.stderr[-2000:]}
+        result = json.loads(out.read_text())
+    decode = result["decode"]["tokens_per_second"]
+    return {
+        "decode_tok_s": decode["median"],
+        "decode_runs": decode["runs"],
+        "decode_percent_of_bound": result["decode_percent_of_bound"],
+        "prefill_tok_s": result["prefill_tokens_per_second"],
+        "runs_identical": result["decode"]["runs_identical"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dims", default="27b", choices=["27b", "tiny"])
@@ -77,6 +106,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--sync-runs", type=int, default=9)
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--flash-args", default=None, help="bench_flash_full.py's arguments")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -89,6 +119,10 @@ def main() -> None:
     out["results"] = {}
     for name in args.settings.split(","):
         env = {**os.environ, **SETTINGS[name]}
+        if args.flash_args:
+            out["results"][name] = {"env": SETTINGS[name], **flash_bench(args.flash_args, env)}
+            print(name, json.dumps(out["results"][name])[:300], flush=True)
+            continue
         cmd = [sys.executable, __file__, "--worker", *sys.argv[1:]]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
