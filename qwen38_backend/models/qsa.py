@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernel_import import kernel_module
-from ..kv.one_token import attend_gathered, attend_pages, pages_in_place
+from ..kv.one_token import attend_gathered, pages_in_place
 from ..rows import STEP_MAX_ROWS, per_row
 from ..state import RewindError
 from .layers import Attention, RMSNorm, RopeSpec, compiled
@@ -527,7 +527,9 @@ class QSAAttention(Attention):
         blocks = to_pool(select(qi, st.pooled, at, tail))
         pages = mx.broadcast_to(blocks[None], (keys.shape[1], blocks.shape[0]))
         length = self.n_blocks * self.ratio + n_tail
-        return attend_pages(q, keys, values, pages, length, self.ratio, self.scale, shared=True)
+        return kernel_module("decode_attention").decode_attention(
+            q, keys, values, self.scale, pages=pages, page_tokens=self.ratio, length=length
+        )
 
     def _attend_selected(
         self, q: mx.array, qi: mx.array, positions: mx.array, st: QSAState, offset: int
