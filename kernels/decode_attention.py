@@ -728,7 +728,8 @@ def head_parts(group: int, d: int, k_dtype: mx.Dtype, tensor_cores: bool) -> int
     else:
         lanes = _lanes(k_dtype, d)
         most = min(MAX_Q_REGISTERS * lanes // d, lanes)
-    return next((s for s in range(1, group + 1) if group % s == 0 and group // s <= most), 0)
+    # one head a part always fits (most >= 1: lanes >= 8, head_dim <= 256)
+    return next(s for s in range(1, group + 1) if group % s == 0 and group // s <= most)
 
 
 @functools.cache
@@ -788,8 +789,6 @@ def _check_heads(
     lanes = _lanes(k_dtype, d)  # the fp32-FMA form's limits
     if d not in HEAD_DIMS or lanes < 8:
         raise ValueError(f"decode attention: head_dim {d} with {k_dtype} is not supported")
-    if MAX_Q_REGISTERS * lanes // d < 1:
-        raise ValueError(f"decode attention: head_dim {d} with {k_dtype} is too wide")
 
 
 @functools.lru_cache(maxsize=512)
