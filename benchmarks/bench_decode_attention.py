@@ -13,7 +13,8 @@ mx.fast.scaled_dot_product_attention and to the kernel's fp32-FMA form (TENSOR_C
 measured in the same run, peak memory of each, and the
 kernel's error against the MLX op. --sweep-splits also times other split counts at the
 longest length, --sweep-paged at a paged call over the --gathered rows (Quest's in-place
-read: at 2,048 rows its blocks are latency-bound, session 32). CUDA only.
+read: at 2,048 rows its blocks are latency-bound, session 32); an entry `SxW` runs S splits
+with W warps a block. CUDA only.
 """
 
 from __future__ import annotations
@@ -104,17 +105,33 @@ def case(kernel, name: str, q, k, v, args, bound: float) -> dict:
     return row
 
 
-def sweep_splits(kernel, q, k, v, counts: list[int], args, **paged) -> dict:
-    """The kernel at other split counts (blocks per KV head) on the same K/V (`paged`: the
-    pages, page_tokens and length of a paged call over k / v as a pool)."""
+def shapes(text: str) -> list[tuple[int, int | None]]:
+    """'16,32x8' -> [(16, None), (32, 8)]: split counts, each with the tensor-core kernel's
+    warps a block (None: its default)."""
+    out = []
+    for item in text.split(","):
+        splits, _, warps = item.partition("x")
+        out.append((int(splits), int(warps) if warps else None))
+    return out
+
+
+def sweep_splits(kernel, q, k, v, counts: list[tuple[int, int | None]], args, **paged) -> dict:
+    """The kernel at other split counts (blocks per KV head) and warps a block on the same
+    K/V (`paged`: the pages, page_tokens and length of a paged call over k / v as a pool)."""
     length, rows = paged.get("length", k.shape[2]), []
-    for s in counts:
-        call = lambda s=s: kernel.decode_attention(q, k, v, D**-0.5, splits=s, **paged)  # noqa: E731
+    for s, w in counts:
+        call = lambda s=s, w=w: kernel.decode_attention(  # noqa: E731
+            q, k, v, D**-0.5, splits=s, warps=w, **paged
+        )
         t = timed(call, args.runs, args.inner)
-        t["splits"] = s
+        t["splits"], t["warps"] = s, w or kernel.MMA_WARPS
         t["GBps"] = 2 * HKV * length * D * k.dtype.size / t["median_s"] / 1e9
         rows.append(t)
-        print(f"  splits {s:>4}: {t['GBps']:7.0f} GB/s", file=sys.stderr)
+        print(
+            f"  splits {s:>4} x {t['warps']} warps: {t['median_s'] * 1e6:7.1f} us "
+            f"{t['GBps']:7.0f} GB/s",
+            file=sys.stderr,
+        )
     return {"L": length, "rows": rows}
 
 
@@ -128,7 +145,8 @@ def main() -> None:
     ap.add_argument(
         "--sweep-paged",
         default="4,8,16,32",
-        help="split counts for a paged Quest-like call (--gathered rows in 32-row pages)",
+        help="split counts (each optionally x warps a block: 32x8) for a paged Quest-like "
+        "call (--gathered rows in 32-row pages)",
     )
     ap.add_argument("--bandwidth-gbps", type=float, default=None)
     ap.add_argument("--out", default=None)
@@ -159,7 +177,7 @@ def main() -> None:
         k, v = big_k[:, :, :length], big_v[:, :, :length]
         result["rows"].append(case(kernel, "store", q, k, v, args, bound))
         if length == max(lengths) and args.sweep_splits:
-            counts = [int(x) for x in args.sweep_splits.split(",")]
+            counts = shapes(args.sweep_splits)
             result["splits_sweep"] = sweep_splits(kernel, q, k, v, counts, args)
         del big_k, big_v, k, v
         mx.clear_cache()
@@ -175,7 +193,7 @@ def main() -> None:
         P = 32
         pages = mx.sort(mx.random.permutation(4 * n // P, key=keys[2])[: n // P])
         pages = mx.broadcast_to(pages.astype(mx.int32)[None], (HKV, n // P))
-        counts = [int(x) for x in args.sweep_paged.split(",")]
+        counts = shapes(args.sweep_paged)
         paged = {"pages": pages, "page_tokens": P, "length": n}
         result["paged_sweep"] = sweep_splits(
             kernel, q, pool_k[None], pool_v[None], counts, args, **paged

@@ -50,6 +50,7 @@ MAX_Q_REGISTERS = 64  # fp32 query values per thread (G * D / lanes per row)
 TENSOR_CORES = True
 MMA_WARPS = 4
 MMA_STAGES = 3
+MMA_SMEM = 192 * 1024  # the rings' shared memory at most (an H200 SM has 227 KB for a block)
 # Its blocks per call at depth: fewer than the SMs. Each block keeps ~128 KB of K/V in
 # flight, and one wave of 132 of them read less than half as many (H200, 27B layer, splits
 # per KV head swept, benchmarks/results/h200/decode_attention_splits_*.json: at 262K 16
@@ -438,6 +439,7 @@ _PARTIAL_MMA = """
     constexpr int KSTEPS = D / 16;                 // k-steps of S = Q K^T, m-tiles of O^T
     constexpr int TILE_ELEMS = TILE * D;
     static_assert(D % 32 == 0 && G <= 8 && sizeof(T) == 2, "unsupported shape");
+    static_assert(TILE * CH % 32 == 0, "a tile's chunks are whole rounds of the warp");
 
     extern __shared__ __align__(16) unsigned char smem_dyn[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -467,9 +469,10 @@ __SPLIT_AND_VIEWS__
             }
         };
         if (vec_ok) {
-#pragma unroll 4
-            for (int i = lane; i < TILE * CH; i += 32) {
-                const int r = i / CH, c = i % CH;
+            // unrolled whole: each lane's chunks of the tile at compile-time rows / columns
+#pragma unroll
+            for (int j = 0; j < TILE * CH / 32; ++j) {
+                const int i = lane + 32 * j, r = i / CH, c = i % CH;
                 const bool live = row0 + r < wend;
                 const long long found = tile_row(r);
                 const long long pr = live ? found : 0;
@@ -589,6 +592,7 @@ __SPLIT_AND_VIEWS__
     float* red = reinterpret_cast<float*>(smem_dyn);   // [WARPS][G][D]
     float* m_w = red + WARPS * G * D;                  // [WARPS][G]
     float* l_w = m_w + WARPS * G;
+    float* f_w = l_w + WARPS * G;                      // each warp's weight in the merge
 #pragma unroll
     for (int i = 0; i < KSTEPS; ++i)
 #pragma unroll
@@ -602,22 +606,29 @@ __SPLIT_AND_VIEWS__
     }
     __syncthreads();
     const long long base = (((long long)qt * gridDim.y + vh) * gridDim.x + split) * G;
-    for (int x = threadIdx.x; x < G * D; x += blockDim.x) {
-        const int h = x / D;
+    // a head's warp weights once (not once per output value: with a few tiles a warp, the
+    // merge was a large share of the block's instructions)
+    if (threadIdx.x < G) {
+        const int h = threadIdx.x;
         float m_max = neg_inf();
         for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, m_w[w * G + h]);
-        float num = 0.0f, den = 0.0f;
+        float den = 0.0f;
         for (int w = 0; w < WARPS; ++w) {
             const float m = m_w[w * G + h];
             const float f = m == neg_inf() ? 0.0f : expf(m - m_max);  // a warp with no rows
-            num += f * red[(w * G + h) * D + x % D];
+            f_w[w * G + h] = f;
             den += f * l_w[w * G + h];
         }
+        m_part[base + h] = m_max;
+        l_part[base + h] = den;
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < G * D; x += blockDim.x) {
+        const int h = x / D;
+        float num = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) num += f_w[w * G + h] * red[(w * G + h) * D + x % D];
         o_part[base * D + x] = num;
-        if (x % D == 0) {
-            m_part[base + h] = m_max;
-            l_part[base + h] = den;
-        }
     }
 """
 
@@ -685,23 +696,34 @@ def _partial_kernel(dtype: mx.Dtype, head_dim: int, group: int):
 
 
 @functools.cache
-def _partial_kernel_mma(dtype: mx.Dtype, head_dim: int, group: int):
+def _partial_kernel_mma(dtype: mx.Dtype, head_dim: int, group: int, warps: int = MMA_WARPS):
+    stages = mma_stages(head_dim, warps)
     return cuda_kernel(
         name="qwen38_decode_attention_partial_mma",
         input_names=["q", "k", "v", "splits", "pages", "n_keys", "scale"],
         output_names=["o_part", "m_part", "l_part"],
-        source=_fill(_PARTIAL_MMA, WARPS=MMA_WARPS, STAGES=MMA_STAGES),
+        source=_fill(_PARTIAL_MMA, WARPS=warps, STAGES=stages),
         header=_HEADER,
         ensure_row_contiguous=False,
-        shared_memory=_mma_smem_bytes(head_dim, group),
+        shared_memory=_mma_smem_bytes(head_dim, group, warps, stages),
     )
 
 
-def _mma_smem_bytes(head_dim: int, group: int) -> int:
+def mma_stages(head_dim: int, warps: int) -> int:
+    """Tiles in flight per warp of the tensor-core kernel: MMA_STAGES where the warps' rings
+    fit MMA_SMEM (one block per SM), else fewer."""
+    tile = 2 * 16 * head_dim * 2  # a K and a V tile of 16 half-precision rows
+    stages = min(MMA_STAGES, MMA_SMEM // (warps * tile))
+    if stages < 1:
+        raise ValueError(f"decode attention: {warps} warps of head_dim {head_dim} do not fit")
+    return stages
+
+
+def _mma_smem_bytes(head_dim: int, group: int, warps: int, stages: int) -> int:
     """Dynamic shared memory of the tensor-core kernel: each warp's ring of K and V tiles,
-    reused at the end for the warps' outputs."""
-    rings = MMA_WARPS * MMA_STAGES * 2 * 16 * head_dim * 2
-    merge = MMA_WARPS * group * (head_dim + 2) * 4
+    reused at the end for the warps' outputs, maxima, sums and merge weights."""
+    rings = warps * stages * 2 * 16 * head_dim * 2
+    merge = warps * group * (head_dim + 3) * 4
     return max(rings, merge)
 
 
@@ -828,6 +850,7 @@ def decode_attention(
     pages: mx.array | None = None,
     page_tokens: int = 0,
     length: int = 0,
+    warps: int | None = None,
 ) -> mx.array:
     """softmax(q k^T * scale) v for the newest T positions, as mx.fast.scaled_dot_product_
     attention with a causal mask: row t of q is the position L - T + t and reads the first
@@ -836,7 +859,8 @@ def decode_attention(
 
     q: [1, Hq, T, D]; k, v: [1, Hkv, L, D] (strided views are read in place); Hq a multiple
     of Hkv (GQA). Returns [1, Hq, T, D] in q's dtype. splits: blocks per KV head for one row
-    (default `n_splits`; benchmarks sweep it).
+    (default `n_splits`); warps: the tensor-core kernel's warps a block (default MMA_WARPS);
+    benchmarks sweep both.
 
     Paged (one row): `pages` int32 [Hkv, n] (a broadcast view is fine) lists pool pages of
     `page_tokens` rows of k / v (the whole pool, [1, Hkv, slots * page_tokens, D]); the keys
@@ -868,7 +892,8 @@ def decode_attention(
     if mma:
         # query rows [T * Hq, D] in their own dtype, row-contiguous
         q_rows = mx.contiguous(q.transpose(0, 2, 1, 3).reshape(rows * hq, d))
-        kernel, threads = _partial_kernel_mma(k.dtype, d, group), MMA_WARPS * 32
+        warps = warps or MMA_WARPS
+        kernel, threads = _partial_kernel_mma(k.dtype, d, group, warps), warps * 32
         inputs = [q_rows, k, v, per_row, page_list, length_arg, _scalar(scale)]
     else:
         # fp32 scaled query rows [T * Hq, D] as a fresh array (row-contiguous, its own buffer)

@@ -175,11 +175,13 @@ def _decode_kernel():
     return decode_attention
 
 
-def _check_decode_attention(kernel, hq, hkv, length, d, dtype, layout, splits=None, seed=0):
+def _check_decode_attention(
+    kernel, hq, hkv, length, d, dtype, layout, splits=None, seed=0, warps=None
+):
     q = mx.random.normal((1, hq, 1, d), key=mx.random.key(seed + 1)).astype(dtype)
     k, v = _kv_views(hkv, length, d, dtype, seed, layout)
     scale = d**-0.5
-    got = kernel.decode_attention(q, k, v, scale, splits=splits)
+    got = kernel.decode_attention(q, k, v, scale, splits=splits, warps=warps)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
     # an fp32 reference from plain ops, independent of both
     qf, kf, vf = (x.astype(mx.float32) for x in (q, k, v))
@@ -248,6 +250,30 @@ def test_decode_attention_kernel_any_split_count():
     kernel = _decode_kernel()
     for length, splits in ((1000, 1), (1000, 7), (1000, 333), (129, 129), (4096, 64)):
         _check_decode_attention(kernel, 24, 4, length, 256, mx.bfloat16, "store", splits)
+
+
+@pytest.mark.parametrize("warps", [2, 4, 8])
+@pytest.mark.parametrize("d", [256, 128])
+def test_decode_attention_kernel_warps_a_block(warps, d):
+    """The tensor-core kernel with other warps a block (fewer tiles in flight each where
+    their rings would not fit): split counts around a Quest budget's 2,048 rows, a partial
+    last tile, more warps than a split's tiles; and a paged call equal to its gathered
+    rows."""
+    kernel = _decode_kernel()
+    for length, splits in ((2048, 16), (2048, 32), (2047, 16), (5000, 8), (33, 4), (40, 1)):
+        _check_decode_attention(
+            kernel, 24, 4, length, d, mx.bfloat16, "pool", splits, seed=length, warps=warps
+        )
+    q = mx.random.normal((1, 24, 1, d), key=mx.random.key(2)).astype(mx.bfloat16)
+    pool_k = mx.random.normal((1, 4, 4096, d), key=mx.random.key(3)).astype(mx.bfloat16)
+    pool_v = mx.random.normal((1, 4, 4096, d), key=mx.random.key(4)).astype(mx.bfloat16)
+    pages = mx.broadcast_to(mx.arange(127, -1, -2, dtype=mx.int32)[None], (4, 64))
+    got = kernel.decode_attention(q, pool_k, pool_v, d**-0.5, 32, pages, 32, 2040, warps)
+    rows = (pages[0, :, None] * 32 + mx.arange(32)).reshape(-1)[:2040]
+    want = mx.fast.scaled_dot_product_attention(
+        q, pool_k[:, :, rows], pool_v[:, :, rows], scale=d**-0.5
+    )
+    assert kernel.mismatch(got, want) <= 1.0
 
 
 @pytest.mark.parametrize("page_tokens", [32, 16, 64])

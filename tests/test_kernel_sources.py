@@ -205,15 +205,15 @@ def test_rows_norm_kernel_compiles(recorded, tmp_path):
     compiles(tmp_path, kernel, types, [("T", mx.bfloat16), ("X", mx.float32)])
 
 
-@pytest.mark.parametrize("form", ["fma", "mma"])
+@pytest.mark.parametrize("form", ["fma", "mma", "mma8"])
 def test_decode_attention_compiles(recorded, tmp_path, form):
-    if form == "mma":
-        decode_attention._partial_kernel_mma(mx.bfloat16, 256, 6)
+    if form.startswith("mma"):  # mma8: 8 warps a block, one tile in flight each
+        decode_attention._partial_kernel_mma(mx.bfloat16, 256, 6, 8 if form == "mma8" else 4)
     else:
         decode_attention._partial_kernel(mx.bfloat16, 256, 6)
     decode_attention._combine_kernel()
-    partial = recorded[f"qwen38_decode_attention_partial{'_mma' if form == 'mma' else ''}"]
-    types = {"q": BF16 if form == "mma" else "float", "k": BF16, "v": BF16, "scale": "float"}
+    partial = recorded[f"qwen38_decode_attention_partial{'_mma' if form != 'fma' else ''}"]
+    types = {"q": "float" if form == "fma" else BF16, "k": BF16, "v": BF16, "scale": "float"}
     types.update(splits="int32_t", pages="int32_t", n_keys="int32_t")
     types.update(o_part="float", m_part="float", l_part="float")
     for paged, sub in ((0, 1), (16, 1), (4, 2)):  # (4, 2): Flash-Next's QSA blocks
