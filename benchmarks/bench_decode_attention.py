@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from common import environment, peak_bandwidth, write_json  # noqa: E402
+from probe_step_graph import queued_device_s  # noqa: E402
 
 HQ, HKV, D = 24, 4, 256
 
@@ -126,10 +127,14 @@ def sweep_splits(kernel, q, k, v, counts: list[tuple[int, int | None]], args, **
         t = timed(call, args.runs, args.inner)
         t["splits"], t["warps"] = s, w or kernel.MMA_WARPS
         t["GBps"] = 2 * HKV * length * D * k.dtype.size / t["median_s"] / 1e9
+        # the device's time alone: --inner calls queued behind a spin (the host's time per
+        # call is as long as a short call's device time, and the median above mixes both)
+        make = lambda call=call: [call() for _ in range(args.inner)]  # noqa: E731
+        t["device_s"] = queued_device_s(make, args.runs) / args.inner
         rows.append(t)
         print(
-            f"  splits {s:>4} x {t['warps']} warps: {t['median_s'] * 1e6:7.1f} us "
-            f"{t['GBps']:7.0f} GB/s",
+            f"  splits {s:>4} x {t['warps']} warps: {t['median_s'] * 1e6:7.1f} us, "
+            f"device {t['device_s'] * 1e6:6.1f} us, {t['GBps']:7.0f} GB/s",
             file=sys.stderr,
         )
     return {"L": length, "rows": rows}

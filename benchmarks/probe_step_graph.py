@@ -109,6 +109,35 @@ def spin_kernel():
     return spin
 
 
+def queued_device_s(make, repeats: int, spin_ms: float = 40.0) -> float:
+    """Device seconds of the work make() returns (lazy arrays), with the host out of the way:
+    queued behind a spin of about spin_ms that outlasts the host's build and queue, then the
+    median wall time with it minus the median of the spin alone."""
+    import mlx.core as mx
+
+    spin = spin_kernel()
+
+    def timed(cycles: int, with_work: bool) -> float:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = [spin(cycles)]
+        mx.async_eval(out[0])
+        if with_work:
+            out.append(make())
+            mx.async_eval(out[-1])
+        mx.eval(out)
+        mx.synchronize()
+        return time.perf_counter() - t0
+
+    cycles = 1_000_000
+    timed(cycles, True)  # compiles the spin kernel and the work's kernels
+    while timed(cycles, False) < spin_ms / 1e3:
+        cycles *= 2
+    alone = [timed(cycles, False) for _ in range(repeats)]
+    both = [timed(cycles, True) for _ in range(repeats)]
+    return statistics.median(both) - statistics.median(alone)
+
+
 def device_ms(model, state, token, steps: int, spin_ms: float = 40.0) -> dict:
     """A step's device time: queued behind a spin of fixed length, so its whole graph is
     queued before the device reaches it (module docstring). Median ms of `steps`."""

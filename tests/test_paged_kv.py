@@ -136,8 +136,11 @@ def filled_store(hkv=2, d=8, length=37, page=4, seed=0, chunks=(5, 1, 1, 9, 2, 1
     return store, keys, values
 
 
-def test_metadata_is_min_max_of_each_page():
-    store, keys, _ = filled_store(length=38, page=4, meta_dtype=mx.float32)  # exact values
+@pytest.mark.parametrize("chunks", [(5, 1, 1, 9, 2, 1, 30), (1,), (3, 1)])
+def test_metadata_is_min_max_of_each_page(chunks):
+    """Sealed pages and the open page's running min / max, whatever the writes' sizes
+    (decode steps write one row each: a page opened, widened and sealed by single rows)."""
+    store, keys, _ = filled_store(length=38, page=4, meta_dtype=mx.float32, chunks=chunks)
     n_sealed = 38 // 4
     pages = keys[:, : n_sealed * 4].reshape(2, n_sealed, 4, 8)
     np.testing.assert_array_equal(np.array(store.kmin[:, :n_sealed]), pages.min(axis=2))

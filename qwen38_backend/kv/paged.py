@@ -46,7 +46,7 @@ from ..state import checks_later
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .one_token import attend_pages, attend_rows
 from .pool import PagePool, PoolFullError
-from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector
+from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector, widened_by
 from .spill import SpillFile
 from .table import SPILLED, PageTable, from_host
 
@@ -288,6 +288,12 @@ class PagedKV:
         P = self.page_tokens
         hkv, T, d = kr.shape
         self._grow_meta(-(-(start + T) // P), hkv, d)
+        if T == 1 and start % P:  # a decode step inside the open page
+            self.open_min, self.open_max = widened_by(self.open_min, self.open_max, kr[:, 0])
+            if (start + 1) % P == 0:
+                self._seal(start // P, self.open_min[:, None], self.open_max[:, None])
+                self.open_min = self.open_max = None
+            return
         kf = kr.astype(mx.float32)
         t = 0
         if start % P:  # finish the open page
@@ -303,7 +309,9 @@ class PagedKV:
             mins, maxs = page_min_max(kf[:, t : t + n_full * P].reshape(hkv, n_full, P, d))
             self._seal((start + t) // P, mins, maxs)
             t += n_full * P
-        if t < T:  # a new open page
+        if t == T - 1:  # a new open page of one row: its min and max are the row
+            self.open_min = self.open_max = kf[:, t]
+        elif t < T:  # a new open page
             part = kf[:, t:]
             self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)
 
