@@ -127,10 +127,18 @@ def sweep_splits(kernel, q, k, v, counts: list[tuple[int, int | None]], args, **
         t = timed(call, args.runs, args.inner)
         t["splits"], t["warps"] = s, w or kernel.MMA_WARPS
         t["GBps"] = 2 * HKV * length * D * k.dtype.size / t["median_s"] / 1e9
+
         # the device's time alone: --inner calls queued behind a spin (the host's time per
-        # call is as long as a short call's device time, and the median above mixes both)
-        make = lambda call=call: [call() for _ in range(args.inner)]  # noqa: E731
-        t["device_s"] = queued_device_s(make, args.runs) / args.inner
+        # call is as long as a short call's device time, and the median above mixes both),
+        # each call's query the previous call's output, so they run one after another as a
+        # step's layers do (independent calls overlap on the device)
+        def chain(s=s, w=w):
+            x = q
+            for _ in range(args.inner):
+                x = kernel.decode_attention(x, k, v, D**-0.5, splits=s, warps=w, **paged)
+            return x
+
+        t["device_s"] = queued_device_s(chain, args.runs) / args.inner
         rows.append(t)
         print(
             f"  splits {s:>4} x {t['warps']} warps: {t['median_s'] * 1e6:7.1f} us, "

@@ -5,12 +5,13 @@ setting in its own process (MLX reads them once).
 
 MLX's CUDA backend records kernels into CUDA graphs of `MLX_MAX_OPS_PER_BUFFER` nodes
 (default 20), keeps up to `MLX_CUDA_GRAPH_CACHE_SIZE` instantiated graphs (default 100) and
-drops all of them when the cache overflows; `MLX_USE_CUDA_GRAPHS=0` launches kernels one by
-one. A 64-layer step is ~1,700 kernels, so with the defaults a step may instantiate its
-graphs again every token. Per setting: pipelined plain decode tok/s (median of --runs), and
-the latency of one synchronous forward of 1 and of 3 rows (what a speculative round waits
-for), medians of --sync-runs. `--dims tiny` keeps the step's kernels and makes them nearly
-free: its times are the host's.
+drops all of them when the cache overflows (since session 33 the package sets 100 and 1,000
+where the user has not: `default` is those, `mlx` MLX's own); `MLX_USE_CUDA_GRAPHS=0`
+launches kernels one by one. A 64-layer step is ~700 kernels, so with MLX's defaults a step
+may instantiate its graphs again every token. Per setting: pipelined plain decode tok/s
+(median of --runs), and the latency of one synchronous forward of 1 and of 3 rows (what a
+speculative round waits for), medians of --sync-runs. `--dims tiny` keeps the step's
+kernels and makes them nearly free: its times are the host's.
 
 `--flash-args "..."` runs `bench_flash_full.py` with those arguments per setting instead
 (Flash-Next's step is bound by the host's launches, ~1,700 a token, so its graphs' split and
@@ -38,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 SETTINGS = {
-    "default": {},
+    "default": {},  # the package's own (qwen38_backend/cuda_graphs.py)
+    "mlx": {"MLX_MAX_OPS_PER_BUFFER": "20", "MLX_CUDA_GRAPH_CACHE_SIZE": "100"},  # MLX's
     "cache1000": {"MLX_CUDA_GRAPH_CACHE_SIZE": "1000"},
     "cache1000_ops50": {"MLX_CUDA_GRAPH_CACHE_SIZE": "1000", "MLX_MAX_OPS_PER_BUFFER": "50"},
     "cache1000_ops100": {"MLX_CUDA_GRAPH_CACHE_SIZE": "1000", "MLX_MAX_OPS_PER_BUFFER": "100"},

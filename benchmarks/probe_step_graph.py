@@ -52,8 +52,9 @@ def node_counts(outputs: list, keep: str | None = None) -> dict[str, int]:
         path = Path(keep) if keep else Path(tmp) / "step.dot"
         mx.export_to_dot(str(path), *outputs)
         text = path.read_text()
-    names = re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', text)
-    counts = collections.Counter(name.split()[0] for name in names)
+    # a node's declaration repeats in the file: count each node id once
+    nodes = dict(re.findall(r'(\d+)\s*\[label\s*=\s*"([^"]+)", shape=rectangle', text))
+    counts = collections.Counter(name.split()[0] for name in nodes.values())
     return dict(counts.most_common())
 
 

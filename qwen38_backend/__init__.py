@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .blas import use_system_openblas
+from .cuda_graphs import use_graph_defaults
 from .loading.paths import keep_kernel_cache
 
 __version__ = "0.1.0"
 
 use_system_openblas()  # before anything imports MLX (see blas.py)
 keep_kernel_cache()  # compiled CUDA kernels outlive a reboot (see loading/paths.py)
+use_graph_defaults()  # a decode token's launches in fewer, cached CUDA graphs (cuda_graphs.py)
 
 if TYPE_CHECKING:
     import mlx.core as mx
