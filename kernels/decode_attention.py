@@ -41,6 +41,11 @@ STAGES = 3  # tiles in flight per block
 SMS = 132  # streaming multiprocessors of an H100 / H200 SXM (only the split count uses it)
 BLOCKS_PER_SM = 1  # bf16 D=256, G=6: 154 registers x 256 threads (ptxas) leave room for one
 MIN_SPLIT_ROWS = 64  # below this a split's partial output costs more than its rows
+# The tensor-core form's least rows a split: a Quest budget's 2,048 rows (27B layer, paged)
+# took 11.0 us a call in 8 splits against 18.4 in 16 and 32.1 in 32 (H200, calls chained as
+# a step's layers are, benchmarks/results/h200/decode_attention_sweep_s33.json): past a
+# few tiles a warp, more splits cost more in their outputs and the combine than they save.
+MMA_MIN_SPLIT_ROWS = 256
 HEAD_DIMS = (32, 64, 128, 256)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_Q_REGISTERS = 64  # fp32 query values per thread (G * D / lanes per row)
@@ -772,10 +777,11 @@ def _combine_kernel():
 
 def n_splits(length: int, kv_heads: int, tensor_cores: bool = False) -> int:
     """Splits of the sequence: about one wave of blocks over the SMs (the tensor-core form:
-    MMA_BLOCKS blocks), none shorter than MIN_SPLIT_ROWS (short contexts: fewer partial
-    outputs to write and merge)."""
+    MMA_BLOCKS blocks), none shorter than MIN_SPLIT_ROWS (the tensor-core form:
+    MMA_MIN_SPLIT_ROWS; short contexts: fewer partial outputs to write and merge)."""
     blocks = MMA_BLOCKS if tensor_cores else SMS * BLOCKS_PER_SM
-    return max(min(math.ceil(length / MIN_SPLIT_ROWS), blocks // kv_heads), 1)
+    least = MMA_MIN_SPLIT_ROWS if tensor_cores else MIN_SPLIT_ROWS
+    return max(min(math.ceil(length / least), blocks // kv_heads), 1)
 
 
 def check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:

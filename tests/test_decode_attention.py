@@ -93,6 +93,8 @@ def test_split_count():
     assert kernel.n_splits(kernel.MIN_SPLIT_ROWS + 1, 4) == 2
     assert kernel.n_splits(1 << 20, 4) == wave
     assert kernel.n_splits(1 << 20, 4, tensor_cores=True) == kernel.MMA_BLOCKS // 4
+    assert kernel.n_splits(kernel.MMA_MIN_SPLIT_ROWS, 4, tensor_cores=True) == 1
+    assert kernel.n_splits(2048, 4, tensor_cores=True) == 2048 // kernel.MMA_MIN_SPLIT_ROWS
     for length in (1, 7, 255, 4096, 33000, 262144):
         for tensor_cores in (False, True):
             s = kernel.n_splits(length, 4, tensor_cores)
