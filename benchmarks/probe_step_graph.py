@@ -52,9 +52,11 @@ def node_counts(outputs: list, keep: str | None = None) -> dict[str, int]:
         path = Path(keep) if keep else Path(tmp) / "step.dot"
         mx.export_to_dot(str(path), *outputs)
         text = path.read_text()
-    # a node's declaration repeats in the file: count each node id once
-    nodes = dict(re.findall(r'(\d+)\s*\[label\s*=\s*"([^"]+)", shape=rectangle', text))
-    counts = collections.Counter(name.split()[0] for name in nodes.values())
+    # one declaration per application of a primitive (a compiled function's replays share
+    # its primitives' ids, so ids undercount); arrays the step leaves unevaluated, such as
+    # Quest's open-page bounds, carry their chain since the last evaluation
+    names = re.findall(r'label\s*=\s*"([^"]+)", shape=rectangle', text)
+    counts = collections.Counter(name.split()[0] for name in names)
     return dict(counts.most_common())
 
 
