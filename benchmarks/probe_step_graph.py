@@ -112,10 +112,12 @@ def spin_kernel():
     return spin
 
 
-def queued_device_s(make, repeats: int, spin_ms: float = 40.0) -> float:
-    """Device seconds of the work make() returns (lazy arrays), with the host out of the way:
-    queued behind a spin of about spin_ms that outlasts the host's build and queue, then the
-    median wall time with it minus the median of the spin alone."""
+def behind_spin(make, repeats: int, spin_ms: float = 40.0, warm: bool = True) -> tuple:
+    """Median seconds of a spin of about spin_ms alone, and of the spin with the work make()
+    returns (lazy arrays) queued behind it, `repeats` of each in turns: the spin outlasts
+    the host's build and queue of the work, so the difference is the work's device time.
+    `warm`: run the work once first (compiling its kernels; not for work that advances a
+    state)."""
     import mlx.core as mx
 
     spin = spin_kernel()
@@ -133,42 +135,27 @@ def queued_device_s(make, repeats: int, spin_ms: float = 40.0) -> float:
         return time.perf_counter() - t0
 
     cycles = 1_000_000
-    timed(cycles, True)  # compiles the spin kernel and the work's kernels
-    while timed(cycles, False) < spin_ms / 1e3:
+    timed(cycles, warm)  # the first launch compiles the spin kernel
+    while timed(cycles, False) < spin_ms / 1e3:  # calibrate: about spin_ms of spinning
         cycles *= 2
-    alone = [timed(cycles, False) for _ in range(repeats)]
-    both = [timed(cycles, True) for _ in range(repeats)]
-    return statistics.median(both) - statistics.median(alone)
+    alone, both = [], []
+    for _ in range(repeats):
+        alone.append(timed(cycles, False))
+        both.append(timed(cycles, True))
+    return statistics.median(alone), statistics.median(both)
+
+
+def queued_device_s(make, repeats: int, spin_ms: float = 40.0) -> float:
+    """Device seconds of the work make() returns, with the host out of the way (behind_spin)."""
+    alone, both = behind_spin(make, repeats, spin_ms)
+    return both - alone
 
 
 def device_ms(model, state, token, steps: int, spin_ms: float = 40.0) -> dict:
     """A step's device time: queued behind a spin of fixed length, so its whole graph is
     queued before the device reaches it (module docstring). Median ms of `steps`."""
-    import mlx.core as mx
-
-    spin = spin_kernel()
-
-    def timed(with_step: bool, cycles: int) -> float:
-        mx.synchronize()
-        t0 = time.perf_counter()
-        out = [spin(cycles)]
-        mx.async_eval(out[0])
-        if with_step:
-            out.append(model.forward(token, state, last_only=True))
-            mx.async_eval(out[-1])
-        mx.eval(out)
-        mx.synchronize()
-        return time.perf_counter() - t0
-
-    cycles = 1_000_000
-    timed(False, cycles)  # the first launch compiles the spin kernel
-    while timed(False, cycles) < spin_ms / 1e3:  # calibrate: about spin_ms of spinning
-        cycles *= 2
-    alone, both = [], []
-    for _ in range(steps):
-        alone.append(timed(False, cycles))
-        both.append(timed(True, cycles))
-    spin_s, step_s = statistics.median(alone), statistics.median(both)
+    step = lambda: model.forward(token, state, last_only=True)  # noqa: E731
+    spin_s, step_s = behind_spin(step, steps, spin_ms, warm=False)
     return {"spin_ms": 1e3 * spin_s, "step_ms": 1e3 * (step_s - spin_s), "steps": steps}
 
 
