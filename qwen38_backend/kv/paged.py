@@ -40,6 +40,7 @@ from contextvars import ContextVar
 import mlx.core as mx
 import numpy as np
 
+from .. import scalars
 from ..errors import AdmissionError, InvalidOptionError, SpillError
 from ..rows import STEP_MAX_ROWS
 from ..state import checks_later
@@ -593,7 +594,7 @@ class PagedKV:
         One compiled graph (quest.selector); the last page is always forced, so its
         (possibly unsealed) metadata is never used."""
         run = selector(n_sel, self.sink_pages, self.recent_pages, self.shared)
-        n_pages = mx.array(len(self.table), dtype=mx.int32)
+        n_pages = scalars.int32(len(self.table))
         return run(q, self.kmin, self.kmax, n_pages)
 
     def _read_selection(self, pages: mx.array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

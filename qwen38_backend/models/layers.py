@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import scalars
 from ..kernel_import import kernel_module
 from ..rows import (
     STEP_MAX_ROWS,
@@ -386,7 +387,7 @@ class PreNormBlock(nn.Module):
     def decode_attention(self, h: mx.array, kv, offset: int) -> mx.array:
         self.self_attn.prepare_decode()  # outside the trace: the kernel's probe runs ops
         # the position as an array: a Python int would be traced as a constant
-        q, k, v, *gate = compiled(self, "_attention_in")(h, mx.array(offset, dtype=mx.int32))
+        q, k, v, *gate = compiled(self, "_attention_in")(h, scalars.int32(offset))
         finish = compiled(self, "_attention_out")
         scale = self.self_attn.scale
         attend_then = getattr(kv, "attend_then", None)  # PagedKV: hands `finish` over early

@@ -26,6 +26,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import scalars
 from ..kernel_import import kernel_module
 from ..kv.one_token import attend_gathered, pages_in_place
 from ..rows import STEP_MAX_ROWS, per_row
@@ -521,7 +522,7 @@ class QSAAttention(Attention):
         if view is None or not pages_in_place(q, view[0], view[1], self.ratio):
             return None
         keys, values, to_pool = view
-        tail = mx.array([offset // self.ratio], dtype=mx.int32)
+        tail = scalars.int32s((offset // self.ratio,))
         kernel = select_kernel(self.n_blocks, 1, st.pooled.shape[0])
         select = decode_tokens_step(self.ratio, self.n_blocks, kernel, per_block=1)
         blocks = to_pool(select(qi, st.pooled, at, tail))
@@ -538,7 +539,7 @@ class QSAAttention(Attention):
         T = q.shape[2]
         if T == 1:  # decode: exactly n_blocks blocks plus a tail known on the host
             start = (offset + 1) // self.ratio * self.ratio
-            at = mx.array(offset, dtype=mx.int32)  # an input of the compiled selection
+            at = scalars.int32(offset)  # an input of the compiled selection
             in_place = self._attend_blocks(q, qi, st, offset, at, offset + 1 - start)
             if in_place is not None:
                 return in_place

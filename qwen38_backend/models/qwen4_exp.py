@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import rows
+from .. import rows, scalars
 from ..config import LINEAR, QSA, Qwen4ExpConfig
 from ..errors import InvalidOptionError, WeightsError
 from ..kv.contiguous import ContiguousKV
@@ -205,7 +205,7 @@ class Qwen4ExpBlock(nn.Module):
         """A step through the whole layer: compiled up to QSA's state writes, then its
         selection (compiled apart: its shapes follow the index buffer) and the store's gather,
         and compiled again from the attention output on (MoE included)."""
-        at = mx.array(offset, dtype=mx.int32)  # an input: a Python int would be traced in
+        at = scalars.int32(offset)  # an input: a Python int would be traced in
         inj, qi, raw, q, k, v, gate = compiled(self, "_attention_in")(R, at)
         self.self_attn.cache_keys(raw, st, compile=True)
         positions = mx.arange(offset, offset + R.shape[0], dtype=mx.int32)
