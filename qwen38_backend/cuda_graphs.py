@@ -6,7 +6,10 @@ A decode token is ~700 (Qwen3.8-27B) to ~1,700 (Flash-Next) launches, so with ML
 defaults a token is cut into many small graphs and the cache cannot hold a token's worth:
 graphs are instantiated again every token, host time a host-bound step pays in full.
 Flash-Next (48 layers, 4-bit experts, H200) decoded 40.0 tok/s with 100 and 1,000 against
-32.1 with MLX's defaults (benchmarks/results/h200/flash_graph_settings_s33.json).
+32.1 with MLX's defaults, and 42.0 against 37.6 on another machine with the package setting
+them (benchmarks/results/h200/flash_graph_settings_s33{,b}.json); 200 launches a graph and
+no CUDA graphs both measured below 100 (flash_graph_settings_s33c.json). The 27B at 4K:
+69.9 against 68.0 tok/s (graph_settings_27b_s33.json).
 
 MLX reads both at its first use of the GPU, so they are set when the package is imported,
 only where the user has not set them, and only on Linux (MLX's GPU backend there is CUDA;
