@@ -289,22 +289,16 @@ class PagedKV:
         P = self.page_tokens
         hkv, T, d = kr.shape
         self._grow_meta(-(-(start + T) // P), hkv, d)
-        if T == 1 and start % P:  # a decode step inside the open page
-            self.open_min, self.open_max = widened_by(self.open_min, self.open_max, kr[:, 0])
-            if (start + 1) % P == 0:
-                self._seal(start // P, self.open_min[:, None], self.open_max[:, None])
-                self.open_min = self.open_max = None
-            return
-        kf = kr.astype(mx.float32)
         t = 0
         if start % P:  # finish the open page
             t = min(P - start % P, T)
-            part = kf[:, :t]
-            self.open_min = mx.minimum(self.open_min, part.min(axis=1))
-            self.open_max = mx.maximum(self.open_max, part.max(axis=1))
+            self.open_min, self.open_max = self._widened(kr[:, :t])
             if (start + t) % P == 0:
                 self._seal(start // P, self.open_min[:, None], self.open_max[:, None])
                 self.open_min = self.open_max = None
+        if t == T:  # (a decode step inside the open page: nothing more to cast)
+            return
+        kf = kr.astype(mx.float32)
         n_full = (T - t) // P
         if n_full:
             mins, maxs = page_min_max(kf[:, t : t + n_full * P].reshape(hkv, n_full, P, d))
@@ -315,6 +309,16 @@ class PagedKV:
         elif t < T:  # a new open page
             part = kf[:, t:]
             self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)
+
+    def _widened(self, rows: mx.array) -> tuple[mx.array, mx.array]:
+        """The open page's running min / max after `rows` [Hkv, t, D] more of its rows: one
+        compiled function for a decode step's single row (quest.widened_by)."""
+        if rows.shape[1] == 1:
+            return widened_by(self.open_min, self.open_max, rows[:, 0])
+        part = rows.astype(mx.float32)
+        return mx.minimum(self.open_min, part.min(axis=1)), mx.maximum(
+            self.open_max, part.max(axis=1)
+        )
 
     # ----- reading --------------------------------------------------------------------------
     def _dense_kv(self) -> tuple[mx.array, mx.array]:
