@@ -669,8 +669,10 @@ def test_step_norm_prologue_keeps_the_greedy_tokens(tmp_path, monkeypatch):
     assert nodes["auto"] < nodes["off"], nodes
 
 
-def _decode_with(tmp_path, monkeypatch, switch: str, module) -> tuple[dict, dict, dict]:
-    """Greedy tokens, each step's logits and a step's node count of a bf16 tiny Qwen3.5
+def _decode_with(
+    tmp_path, monkeypatch, switch: str, module, arch: str = "qwen3_5"
+) -> tuple[dict, dict, dict]:
+    """Greedy tokens, each step's logits and a step's node count of a bf16 tiny `arch`
     with `switch` auto and off (a model loaded for each: a compiled piece keeps what it
     traced; the probes of `module` cleared around each)."""
     import re
@@ -678,7 +680,7 @@ def _decode_with(tmp_path, monkeypatch, switch: str, module) -> tuple[dict, dict
     import qwen38_backend
     from qwen38_backend.testing import make_tiny_weights
 
-    path = make_tiny_weights("qwen3_5", tmp_path / "q", dtype="bfloat16")
+    path = make_tiny_weights(arch, tmp_path / "q", dtype="bfloat16")
     probes = [
         getattr(module, name) for name in ("available", "norm_available") if hasattr(module, name)
     ]
@@ -1025,13 +1027,14 @@ def test_qk_norm_rope_kernel_matches_the_op_path(dtype, gated, interleaved, dims
                 assert mx.array_equal(one[2], got[2][t : t + 1]).item(), (rows, t)
 
 
-def test_step_qk_kernel_keeps_the_greedy_tokens(tmp_path, monkeypatch):
-    """A bf16 tiny Qwen3.5 decoding with its attention layers' q/k norms and RoPE in one
-    launch picks the greedy tokens of the op path, its logits within bf16 rounding of them
-    at every step, with fewer nodes a step."""
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen4_exp"])
+def test_step_qk_kernel_keeps_the_greedy_tokens(tmp_path, monkeypatch, arch):
+    """A bf16 tiny Qwen3.5 / Flash-Next decoding with its attention (QSA) layers' q/k norms
+    and RoPE in one launch picks the greedy tokens of the op path, its logits within bf16
+    rounding of them at every step, with fewer nodes a step."""
     from qwen38_backend.kernels import qk_norm_rope as kernel
 
-    tokens, logits, nodes = _decode_with(tmp_path, monkeypatch, "QWEN38_QK_KERNEL", kernel)
+    tokens, logits, nodes = _decode_with(tmp_path, monkeypatch, "QWEN38_QK_KERNEL", kernel, arch)
     assert tokens["auto"] == tokens["off"]
     for a, b in zip(logits["auto"], logits["off"], strict=True):
         assert mx.allclose(a, b, rtol=2e-2, atol=2e-2).item()

@@ -336,6 +336,42 @@ def test_flash_next_reads_its_chosen_blocks_in_place(emulated_select, monkeypatc
     assert sum(block_reads) >= 5  # QSA steps past the threshold (n_blocks 2 + the tail's)
 
 
+def test_flash_next_steps_norm_and_rope_qk_in_one_launch(monkeypatch, tmp_path):
+    """A tiny Flash-Next (fp32) decoding with the q/k norm + RoPE kernel emulated: every
+    QSA layer's step runs it (its gated heads, partial rotary dims), and the greedy tokens
+    are the op path's. Forced: the emulation's fp32 frequencies are the C library's, not
+    MLX's CPU RoPE's, so its probe (two ulps at position 4,093) runs on the GPU only."""
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    emulate(monkeypatch, qk_norm_rope)
+    path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
+    prompt = [(5 * i + 2) % 200 + 2 for i in range(9)]
+    calls = []
+    real = qk_norm_rope.qk_norm_rope
+    monkeypatch.setattr(qk_norm_rope, "qk_norm_rope", lambda *a: calls.append(a[-1]) or real(*a))
+
+    def tokens(switch: str) -> list[int]:
+        monkeypatch.setenv("QWEN38_QK_KERNEL", switch)
+        clear_caches(qk_norm_rope)
+        model = qwen38_backend.load(str(path), dtype="float32")
+        return list(model.generate_tokens(prompt, max_tokens=5, stop_token_ids=[]))
+
+    mx.disable_compile()
+    try:
+        plain = tokens("off")
+        assert not calls
+        assert tokens("force") == plain
+    finally:
+        mx.enable_compile()
+        clear_caches(qk_norm_rope)
+    layout = calls[-1]
+    assert layout.gated and layout.dims < layout.head_dim  # QSA's gate, partial rotation
+    assert len(calls) >= 4  # one a QSA layer a step
+
+
 @pytest.mark.parametrize(
     "rows, n, n_select",
     [(1, 300, 16), (4, 700, 64), (1, 2600, 128), (2, 1500, 1000)],

@@ -190,8 +190,10 @@ class Qwen4ExpBlock(nn.Module):
     _prepared = None  # the dtype whose steps' kernels were chosen (prepare_decode)
 
     def prepare_decode(self, dtype: mx.Dtype) -> None:
-        """Choose the step kernels of the MoE and both stream mixes for steps of `dtype`
-        (outside any trace: the kernels' probes run ops)."""
+        """Choose the step kernels of the MoE, both stream mixes and a QSA layer's q/k norms
+        and RoPE for steps of `dtype` (outside any trace: the kernels' probes run ops)."""
+        if not self.is_linear:
+            self.self_attn.prepare_decode()
         self.mlp.prepare_decode()
         self.attn_hyper_connection.prepare_decode(dtype)
         self.mlp_hyper_connection.prepare_decode(dtype)
