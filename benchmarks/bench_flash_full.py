@@ -185,7 +185,13 @@ def by_stride(args, model, state, first: int, want: list[int], bound: float) -> 
     return out
 
 
-STEP_KERNELS = {"route": "ROUTE", "stream": "STREAM", "expert": "EXPERT", "select": "QSA_SELECT"}
+STEP_KERNELS = {
+    "route": "ROUTE",
+    "stream": "STREAM",
+    "expert": "EXPERT",
+    "select": "QSA_SELECT",
+    "qk": "QK",
+}
 IN_PLACE = "inplace"  # a set's name for QSA's in-place block reads (no environment switch)
 # each step kernel's module and its cached probe (cleared when the switches change)
 STEP_PROBES = {
@@ -193,6 +199,7 @@ STEP_PROBES = {
     "stream_mix": "available",
     "expert_qmv": "available",
     "top_select": "qsa_available",
+    "qk_norm_rope": "available",
 }
 
 
@@ -225,6 +232,7 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
     from qwen38_backend.kernel_import import kernel_module
     from qwen38_backend.kv import one_token
     from qwen38_backend.models.hyper_connections import GatedResidual
+    from qwen38_backend.models.layers import Attention
     from qwen38_backend.models.moe import SparseMoE
     from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
 
@@ -242,6 +250,8 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
         module.__dict__.pop("_compiled_methods", None)
         if isinstance(module, (SparseMoE, GatedResidual)):
             module._checked = ""
+        if isinstance(module, Attention):
+            module._qk_checked = ""
         if isinstance(module, Qwen4ExpBlock):
             module._prepared = None
 
@@ -295,6 +305,9 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
                     for m in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
                 ),
                 "select": sum(qsa_selects(layer) for layer in layers),
+                "qk": sum(
+                    bool(layer.self_attn._qk_kernel_for) for layer in layers if not layer.is_linear
+                ),
             }
     out = {}
     for variant in variants:
