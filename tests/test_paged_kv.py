@@ -138,15 +138,21 @@ def filled_store(hkv=2, d=8, length=37, page=4, seed=0, chunks=(5, 1, 1, 9, 2, 1
 
 @pytest.mark.parametrize("chunks", [(5, 1, 1, 9, 2, 1, 30), (1,), (3, 1)])
 def test_metadata_is_min_max_of_each_page(chunks):
-    """Sealed pages and the open page's running min / max, whatever the writes' sizes
-    (decode steps write one row each: a page opened, widened and sealed by single rows)."""
+    """Each sealed page's min / max, whatever the writes' sizes (decode steps write one row
+    each: a page opened and sealed by single rows, its bounds taken from its rows when it
+    seals; a prefill chunk finishing a page another chunk opened)."""
     store, keys, _ = filled_store(length=38, page=4, meta_dtype=mx.float32, chunks=chunks)
     n_sealed = 38 // 4
     pages = keys[:, : n_sealed * 4].reshape(2, n_sealed, 4, 8)
     np.testing.assert_array_equal(np.array(store.kmin[:, :n_sealed]), pages.min(axis=2))
     np.testing.assert_array_equal(np.array(store.kmax[:, :n_sealed]), pages.max(axis=2))
-    np.testing.assert_array_equal(np.array(store.open_min), keys[:, 36:].min(axis=1))
-    np.testing.assert_array_equal(np.array(store.open_max), keys[:, 36:].max(axis=1))
+    assert not np.array(store.kmin[:, n_sealed]).any()  # the open page: no bounds yet
+    more = np.random.default_rng(7).normal(size=(2, 2, 8)).astype(np.float32)
+    for i in range(2):  # the open page's last two rows, one step each: it seals
+        store.append(mx.array(more[:, i : i + 1]), mx.array(more[:, i : i + 1]))
+    last = np.concatenate([keys[:, 36:], more], axis=1)
+    np.testing.assert_array_equal(np.array(store.kmin[:, n_sealed]), last.min(axis=1))
+    np.testing.assert_array_equal(np.array(store.kmax[:, n_sealed]), last.max(axis=1))
     # The pool seen in the DESIGN layout [slots, page, heads, dim] holds the rows.
     view = np.array(store.pool.pages_view("k"))
     np.testing.assert_array_equal(view[:9].reshape(36, 2, 8), keys[:, :36].transpose(1, 0, 2))
@@ -287,11 +293,6 @@ def assert_same_store(a: PagedKV, b: PagedKV) -> None:
     assert a.kmin.dtype == b.kmin.dtype
     for x, y in ((a.kmin, b.kmin), (a.kmax, b.kmax)):
         np.testing.assert_array_equal(f32(x[:, :n_sealed]), f32(y[:, :n_sealed]))
-    if a.length % a.page_tokens:
-        np.testing.assert_array_equal(np.array(a.open_min), np.array(b.open_min))
-        np.testing.assert_array_equal(np.array(a.open_max), np.array(b.open_max))
-    else:
-        assert a.open_min is None and b.open_min is None
 
 
 @pytest.mark.parametrize("cut", [45, 44, 40, 1, 0])
@@ -317,13 +318,19 @@ def test_snapshot_holds_live_rows_and_restores_exactly():
     snap = store.snapshot()
     assert all(isinstance(v, mx.array) for v in snap.values())
     assert snap["keys"].shape == (2, 50, 8) and snap["page_table"].shape == (7,)
-    assert snap["quest_min"].shape == (2, 6, 8) and "open_min" in snap
+    assert snap["quest_min"].shape == (2, 6, 8)
     more = np.ones((2, 20, 8), np.float32)
     store.append(mx.array(more), mx.array(more))
     np.testing.assert_array_equal(np.array(snap["keys"]), keys)  # later writes do not leak in
     other = PagedKV(page_tokens=8)
     other.restore(snap)
     original, _, _ = filled_store(length=50, page=8, seed=2)
+    assert_same_store(other, original)
+    # Writing on seals the restored open page from all its rows, as the original store does.
+    on = np.random.default_rng(5).normal(size=(2, 9, 8)).astype(np.float32)
+    for s in (other, original):
+        for i in range(9):
+            s.append(mx.array(on[:, i : i + 1]), mx.array(on[:, i : i + 1]))
     assert_same_store(other, original)
     # Another page size: metadata rebuilt from the restored rows.
     resized = PagedKV(page_tokens=16)

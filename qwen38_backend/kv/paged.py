@@ -7,8 +7,9 @@ matmul (the CPU SDPA path) copies any operand whose row stride is not its row le
 token-major layout cost a full copy of K and V on every dense decode step (measured);
 head-major gives each head contiguous rows, dense views without copies, and the same bits
 as ContiguousKV. A sequence's `PagedKV` keeps its `PageTable` (kv/table.py: logical page ->
-slot or spilled, residency, eviction), the Quest metadata of its sealed pages (always
-resident) and the running min/max of its open page.
+slot or spilled, residency, eviction) and the Quest metadata of its sealed pages (always
+resident; the open page has none: a selection always takes it whole, and its rows, kept
+while it is open, give its bounds when it seals).
 
 - Prefill (T > 1) writes into the pages and attends over the stored run: one fused SDPA while
   the past is short (with the identity table that is a strided view of the pool, the same
@@ -47,7 +48,7 @@ from ..state import checks_later
 from .blocked import BLOCK_TOKENS, attend_past, blocked_attention, spans
 from .one_token import attend_pages, attend_rows
 from .pool import PagePool, PoolFullError
-from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector, widened_by
+from .quest import META_DTYPE, forced_pages, outward_bf16, page_min_max, selector
 from .spill import SpillFile
 from .table import SPILLED, PageTable, from_host
 
@@ -155,8 +156,10 @@ class PagedKV:
         self.length = 0
         self.kmin: mx.array | None = None  # [Hkv, meta_capacity, D] meta_dtype, by page
         self.kmax: mx.array | None = None
-        self.open_min: mx.array | None = None  # [Hkv, D] fp32 running min of the open page
-        self.open_max: mx.array | None = None
+        # The open page's rows as written ([Hkv, t, D] pieces): its bounds when it seals.
+        # Not read from the pool: a lazy read of the pool would keep its buffer alive and
+        # make the next write copy the whole pool.
+        self.open_rows: list[mx.array] = []
 
     @property
     def identity(self) -> bool:
@@ -241,7 +244,7 @@ class PagedKV:
     def append(self, kr: mx.array, vr: mx.array, meta: bool | None = None) -> None:
         """Write rows kr/vr [Hkv, T, D] at the end; seal the pages they fill.
 
-        Metadata comes from the rows being written (plus the open page's running min/max),
+        Metadata comes from the rows being written (a page's rows kept while it is open),
         never from re-reading the pool. A write needing more pages than the pool can give at
         once goes in pieces: each piece's sealed pages can be evicted for the next.
         """
@@ -290,35 +293,27 @@ class PagedKV:
         hkv, T, d = kr.shape
         self._grow_meta(-(-(start + T) // P), hkv, d)
         t = 0
-        if start % P:  # finish the open page
+        if start % P:  # rows that go on the open page
             t = min(P - start % P, T)
-            self.open_min, self.open_max = self._widened(kr[:, :t])
+            self.open_rows.append(kr[:, :t])
             if (start + t) % P == 0:
-                self._seal(start // P, self.open_min[:, None], self.open_max[:, None])
-                self.open_min = self.open_max = None
-        if t == T:  # (a decode step inside the open page: nothing more to cast)
-            return
-        kf = kr.astype(mx.float32)
+                self._seal_open(start // P)
         n_full = (T - t) // P
-        if n_full:
-            mins, maxs = page_min_max(kf[:, t : t + n_full * P].reshape(hkv, n_full, P, d))
+        if n_full:  # whole pages in this write: their bounds from the rows themselves
+            mins, maxs = page_min_max(kr[:, t : t + n_full * P].reshape(hkv, n_full, P, d))
             self._seal((start + t) // P, mins, maxs)
             t += n_full * P
-        if t == T - 1:  # a new open page of one row: its min and max are the row
-            self.open_min = self.open_max = kf[:, t]
-        elif t < T:  # a new open page
-            part = kf[:, t:]
-            self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)
+        if t < T:  # a new open page: no bounds until it seals (a selection takes it whole)
+            self.open_rows = [kr[:, t:]]
 
-    def _widened(self, rows: mx.array) -> tuple[mx.array, mx.array]:
-        """The open page's running min / max after `rows` [Hkv, t, D] more of its rows: one
-        compiled function for a decode step's single row (quest.widened_by)."""
-        if rows.shape[1] == 1:
-            return widened_by(self.open_min, self.open_max, rows[:, 0])
-        part = rows.astype(mx.float32)
-        return mx.minimum(self.open_min, part.min(axis=1)), mx.maximum(
-            self.open_max, part.max(axis=1)
-        )
+    def _seal_open(self, page: int) -> None:
+        """Seal the open page from its rows: one reduction when it fills, rather than a
+        running min / max widened every step (min and max are exact in any order)."""
+        rows = self.open_rows
+        whole = rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=1)  # [Hkv, P, D]
+        mins, maxs = page_min_max(whole[:, None])
+        self._seal(page, mins, maxs)
+        self.open_rows = []
 
     # ----- reading --------------------------------------------------------------------------
     def _dense_kv(self) -> tuple[mx.array, mx.array]:
@@ -804,8 +799,6 @@ class PagedKV:
             return snap
         snap["quest_min"] = mx.array(self.kmin[:, :n_sealed])
         snap["quest_max"] = mx.array(self.kmax[:, :n_sealed])
-        if self.open_min is not None:
-            snap["open_min"], snap["open_max"] = self.open_min, self.open_max
         return snap
 
     def restore(self, tensors: dict[str, mx.array]) -> None:
@@ -828,8 +821,8 @@ class PagedKV:
             if n_sealed:
                 self.kmin[:, :n_sealed] = tensors["quest_min"]
                 self.kmax[:, :n_sealed] = tensors["quest_max"]
-            self.open_min = tensors.get("open_min")
-            self.open_max = tensors.get("open_max")
+            if keys.shape[1] > n_sealed * self.page_tokens:
+                self.open_rows = [keys[:, n_sealed * self.page_tokens :]]
 
     def truncate(self, length: int) -> None:
         """Drop rows past `length`: free whole pages, un-seal a page cut in the middle."""
@@ -844,7 +837,7 @@ class PagedKV:
         self.table.truncate(keep, length // P)
         self._behind_at = 0
         self.length = length
-        self.open_min = self.open_max = None
+        self.open_rows = []
         if back:
             try:
                 slot = self.pool.alloc(1, self.pool.k, self.pool.v)
@@ -856,10 +849,9 @@ class PagedKV:
             self.pool.v[:, rows] = from_host(v, self.pool.v.dtype)
             self.table.place([cut], slot)
         if cut is not None and self.quest:
-            # Rewind is rare and the page is partial: its running min/max is rebuilt from its
-            # live rows (the only time the pool is re-read).
-            part = self._span(cut * P, length)[0].astype(mx.float32)
-            self.open_min, self.open_max = part.min(axis=1), part.max(axis=1)
+            # Rewind is rare and the page is partial: its rows are read back from the pool
+            # (the only time the pool is re-read).
+            self.open_rows = [self._span(cut * P, length)[0]]
 
     def spill_file(self) -> SpillFile | None:
         """The sequence's spill file (shared by its layers), if it has a spill tier."""

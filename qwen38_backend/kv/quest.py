@@ -45,15 +45,6 @@ def page_min_max(rows: mx.array) -> tuple[mx.array, mx.array]:
     return rows.min(axis=2), rows.max(axis=2)
 
 
-@mx.compile
-def widened_by(lo: mx.array, hi: mx.array, row: mx.array) -> tuple[mx.array, mx.array]:
-    """An open page's running min / max [Hkv, D] fp32 after one more row [Hkv, D] (a decode
-    step's key): a cast, a min and a max (MLX does not fuse the shared cast: 3 launches on the
-    H200) where the reductions' form took five."""
-    row = row.astype(mx.float32)
-    return mx.minimum(lo, row), mx.maximum(hi, row)
-
-
 def _round_bf16(x: mx.array, down: bool) -> mx.array:
     """fp32 -> bf16 rounded toward -inf (down) or +inf (up), exactly: drop the 16 low bits
     (toward zero), then step one bf16 ulp away from zero where that went the wrong way."""
