@@ -191,6 +191,7 @@ STEP_KERNELS = {
     "expert": "EXPERT",
     "select": "QSA_SELECT",
     "qk": "QK",
+    "gates": "GATES",
 }
 IN_PLACE = "inplace"  # a set's name for QSA's in-place block reads (no environment switch)
 # each step kernel's module and its cached probe (cleared when the switches change)
@@ -200,6 +201,7 @@ STEP_PROBES = {
     "expert_qmv": "available",
     "top_select": "qsa_available",
     "qk_norm_rope": "available",
+    "rows_matmul": "gates_available",
 }
 
 

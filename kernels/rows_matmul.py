@@ -189,7 +189,11 @@ REDUCE = """
 # How a launch stores output j of row r (its fp32 sum acc[r][j], flat index i), by epilogue:
 # plain; RESIDUAL: res + the product as T (then as O: the output's dtype), as an add of the
 # product with res cast to T computes it; SWIGLU: silu(gate) * up from a warp's pair (gate at
-# even j, up next to it), with MLX's own ops (its headers), as nn.silu(gate) * up computes it.
+# even j, up next to it), with MLX's own ops (its headers), as nn.silu(gate) * up computes it;
+# GATES: a gated residual's low-rank gates from its fused down / inject product (template GL,
+# its low rank, and GS, its streams): v = y / GS in T, then silu(v) for the first GL outputs
+# and 2 sigmoid(v) for the rest, with MLX's ops, as models/hyper_connections.py's gate_down
+# and gate_inject compute them (the stream kernels' `gates` launch, stored as the product is).
 STORES = {
     "": "y[i] = T(acc[r][j]);",
     "residual": "y[i] = static_cast<O>(mlx::core::cu::Add{}(static_cast<T>(res[i]), "
@@ -198,6 +202,10 @@ STORES = {
 const T g = T(acc[r][j]), u = T(acc[r][j + 1]);
 using namespace mlx::core::cu;
 y[i >> 1] = Multiply{}(Multiply{}(g, Sigmoid{}(g)), u);""",
+    "gates": """using namespace mlx::core::cu;
+const T v = Divide{}(T(acc[r][j]), static_cast<T>(static_cast<float>(GS)));
+const T sig = Sigmoid{}(v);
+y[i] = n0 + j < GL ? Multiply{}(v, sig) : Multiply{}(static_cast<T>(2.0f), sig);""",
 }
 EPILOGUE_HEADERS = {
     "": "",
@@ -205,6 +213,7 @@ EPILOGUE_HEADERS = {
     "swiglu": '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
     '#include "mlx/backend/cuda/device/binary_ops.cuh"\n',
 }
+EPILOGUE_HEADERS["gates"] = EPILOGUE_HEADERS["swiglu"]
 
 # A lane's chunk of a weight row: C elements of T as one 16- or 8-byte load, and as floats.
 # (Kept short: MLX hashes a kernel's whole source at every launch it encodes.)
@@ -458,6 +467,7 @@ def rows_matmul(
     dtype: mx.Dtype | None = None,
     swiglu: bool = False,
     norm: tuple[mx.array, float] | None = None,
+    gates: tuple[int, int] | None = None,
 ) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in w's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x of w's dtype, or fp32 for a half-precision w
@@ -470,7 +480,9 @@ def rows_matmul(
     Epilogues (each output as the ops after the product would compute it, one launch
     instead of two): `residual` [R, N] (w's dtype, or fp32 holding values of it): residual
     + the product in w's dtype, then cast to `dtype` (default w's); `swiglu`: w's rows are a
-    fused [gate; up] pair of N / 2 each, the output [R, N / 2] is silu(gate) * up."""
+    fused [gate; up] pair of N / 2 each, the output [R, N / 2] is silu(gate) * up; `gates`
+    (low rank L, streams S): a gated residual's down / inject product, the output [R, N]
+    silu(y / S) in its first L columns and 2 sigmoid(y / S) in the rest (GATES)."""
     n, k, size = w.shape[0], w.shape[1], w.dtype.size
     copy_x = X_SHARED == "all" or (x.dtype != w.dtype and X_SHARED == "wide") or bool(norm)
     if copy_x and min(x.shape[0], ROWS_PER_LAUNCH) * k * size > X_SHARED_MAX:
@@ -482,6 +494,9 @@ def rows_matmul(
     chunk = _chunk(w.dtype)
     epilogue = "swiglu" if swiglu else "residual" if residual is not None else ""
     template = [("T", w.dtype), ("X", x.dtype), ("C", chunk), ("SWIGLU", swiglu)]
+    if gates is not None:
+        epilogue = "gates"
+        template += [("GL", gates[0]), ("GS", gates[1])]
     out_dtype = w.dtype
     if residual is not None:
         out_dtype = dtype or w.dtype
@@ -600,9 +615,10 @@ def fits(
     residual: mx.array | None = None,
     swiglu: bool = False,
     scale: mx.array | None = None,
+    gates: bool = False,
 ) -> bool:
     """Whether rows_matmul takes these operands (shapes and dtypes; not the probe); `scale`:
-    a norm's."""
+    a norm's; `gates`: the gates epilogue (no other)."""
     vec = 16 // w.dtype.size
     if scale is not None and (scale.shape != (x.shape[-1],) or scale.dtype != mx.float32):
         return False
@@ -621,6 +637,7 @@ def fits(
             )
         )
         and (not swiglu or (residual is None and w.shape[0] % 2 == 0))
+        and (not gates or (residual is None and not swiglu))
     )
 
 
@@ -674,6 +691,42 @@ def epilogues_available(dtype: mx.Dtype) -> bool:
         ]
 
     return _same_bits(pairs, "rows matmul epilogues", "the ops they replace")
+
+
+@functools.cache
+def gates_available(dtype: mx.Dtype) -> bool:
+    """True when the product runs here (available) and its gates epilogue stores, bit for
+    bit, what the gated residual's ops compute from the plain product (silu(y / S), 2
+    sigmoid(y / S), as compiled in a step), probed once per dtype (a disagreement warns).
+    QWEN38_GATES_KERNEL: auto | off | force (skip the probe)."""
+    decided = switched("QWEN38_GATES_KERNEL", lambda: available(dtype))
+    if decided is not None:
+        return decided
+    kx, kw = mx.random.split(mx.random.key(23))
+    rows, k, low, streams = 3, 64 * (16 // dtype.size), 317, 4  # a partial last block
+    x = mx.random.normal((rows, k), key=kx).astype(dtype)
+    w = (4 * mx.random.normal((low + streams, k), key=kw) * k**-0.5).astype(dtype)
+
+    def pairs() -> list[tuple[mx.array, mx.array]]:
+        fused = rows_matmul(x, w, gates=(low, streams))
+        alone = rows_matmul(x[1:2], w, gates=(low, streams))
+        want = _gates(low, streams)(rows_matmul(x, w))
+        return [(fused, want), (alone, fused[1:2])]
+
+    return _same_bits(pairs, "rows matmul gates epilogue", "the gated residual's ops")
+
+
+@functools.cache
+def _gates(low: int, streams: int):
+    """The gated residual's gates as a step computes them (one compiled graph): silu(y / S)
+    of the first `low` columns, 2 sigmoid(y / S) of the rest, side by side."""
+
+    def gates(y: mx.array) -> mx.array:
+        gate = nn.silu(y[:, :low] / streams)
+        inject = 2.0 * mx.sigmoid(y[:, low:] / streams)
+        return mx.concatenate([gate, inject], axis=1)
+
+    return mx.compile(gates)
 
 
 @functools.cache

@@ -82,6 +82,7 @@ def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> Non
     if usable:  # probed here, read by each product in a trace
         kernels.epilogues_available(dtype)
         kernels.norm_available(dtype)
+        kernels.gates_available(dtype)
     pad = _device_pad()
     quantized = _NO_QUANTIZED
     if pad > 1 and net is not None:
@@ -361,6 +362,21 @@ def _kernel_product(
     if x.ndim != 2:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
     return _finished(y if bias is None else y + bias, residual, dtype)
+
+
+def gated_product(linear, x: mx.array, low_rank: int, streams: int) -> mx.array | None:
+    """A gated residual's down (/ inject) product of a step's rows x [T, K] with its gates
+    in the kernel's epilogue (kernels/rows_matmul.py, GATES): [T, N], silu(y / streams) in
+    the first `low_rank` columns, 2 sigmoid(y / streams) in the rest, the bits of the product
+    then the gates' ops; None where this forward's plan does not run the kernel for these
+    operands or the epilogue did not pass its probe (the caller runs the gates apart)."""
+    weight, bias = _kernel_weight(linear, x)
+    if weight is None or bias is not None or x.ndim != 2:
+        return None
+    kernels = kernel_module("rows_matmul")
+    if not kernels.gates_available(weight.dtype) or not kernels.fits(x, weight, gates=True):
+        return None
+    return kernels.rows_matmul(x, weight, gates=(low_rank, streams))
 
 
 def _normed_product(

@@ -682,7 +682,9 @@ def _decode_with(
 
     path = make_tiny_weights(arch, tmp_path / "q", dtype="bfloat16")
     probes = [
-        getattr(module, name) for name in ("available", "norm_available") if hasattr(module, name)
+        getattr(module, name)
+        for name in ("available", "norm_available", "gates_available")
+        if hasattr(module, name)
     ]
     tokens, logits, nodes = {}, {}, {}
     try:
@@ -1054,6 +1056,22 @@ def test_step_qk_kernel_keeps_the_greedy_tokens(tmp_path, monkeypatch, arch):
     }
     assert chose["off"] and not any(chose["off"]), chose
     assert all(chose["auto"]), chose
+
+
+def test_gates_epilogue_keeps_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
+    """A bf16 tiny Flash-Next decoding with its gated residuals' gates in the down / inject
+    products' epilogue (kernels/rows_matmul.py, GATES) picks the same greedy tokens with the
+    same logits, bit for bit, as with the product and the gates apart; its steps ran it."""
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    calls = _count_calls(monkeypatch, kernel, "rows_matmul", lambda *_, **kw: "gates" in kw)
+    tokens, logits, _ = _decode_with(
+        tmp_path, monkeypatch, "QWEN38_GATES_KERNEL", kernel, "qwen4_exp"
+    )
+    assert any(calls)
+    assert tokens["auto"] == tokens["off"]
+    for a, b in zip(logits["auto"], logits["off"], strict=True):
+        assert mx.array_equal(a, b).item()
 
 
 def test_steps_take_the_rows_kernel(gpu_models):

@@ -176,7 +176,7 @@ def test_gdn_decode_compiles(recorded, tmp_path, dtype, spec):
     compiles(tmp_path, kernel, types, [("T", dtype)])
 
 
-@pytest.mark.parametrize("epilogue", ["", "residual", "swiglu"])
+@pytest.mark.parametrize("epilogue", ["", "residual", "swiglu", "gates"])
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
 def test_rows_matmul_compiles(recorded, tmp_path, epilogue, staged, norm):
@@ -194,6 +194,7 @@ def test_rows_matmul_compiles(recorded, tmp_path, epilogue, staged, norm):
                 ("SWIGLU", epilogue == "swiglu"),
             ]
             template += [("O", mx.float32)] if epilogue == "residual" else []
+            template += [("GL", 320), ("GS", 4)] if epilogue == "gates" else []
             template += [("R", rows), ("NW", 2), ("KS", 4), ("XS", in_shared), ("XO", 0), *walk]
             compiles(tmp_path, kernel, types, template)
 

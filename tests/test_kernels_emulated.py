@@ -479,6 +479,74 @@ def test_rows_matmul_kernel_matches_its_probe(emulated_27b, monkeypatch, dtype):
     assert rows_matmul.norm_available(dtype)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_rows_matmul_gates_epilogue_stores_the_gates_launch(emulated_27b, monkeypatch, dtype):
+    """The gates epilogue (Flash-Next's gated residuals: low rank 320, 4 streams, one row and
+    three) stores what the product then the stream kernels' gates launch give, bit for bit
+    (both through the emulation's MLX ops), within two ulps of the ops (the emulation's
+    sigmoid is not MLX's); a mutation of its split between gate and inject fails it."""
+    emulate(monkeypatch, stream_mix)
+    monkeypatch.setenv("QWEN38_ROWS_KERNEL", "force")
+    keys = mx.random.split(mx.random.key(3), 2)
+    k, low, streams = 64 * (16 // dtype.size), 320, 4
+    w = (4 * mx.random.normal((low + streams, k), key=keys[1]) * k**-0.5).astype(dtype)
+    for rows in (1, 3):
+        x = mx.random.normal((rows, k), key=keys[0]).astype(dtype)
+        plain = rows_matmul.rows_matmul(x, w)
+        gated = rows_matmul.rows_matmul(x, w, gates=(low, streams))
+        gate, inject = stream_mix.gates(plain, low, streams, True)
+        assert mx.array_equal(gated, mx.concatenate([gate, inject], axis=1)).item()
+        assert within_ulps(gated, rows_matmul._gates(low, streams)(plain), 2)
+        one = rows_matmul.rows_matmul(x[-1:], w, gates=(low, streams))
+        assert mx.array_equal(one, gated[-1:]).item()
+    clear_caches(stream_mix)
+    shifted = rows_matmul.rows_matmul(x, w, gates=(low - 1, streams))
+    assert not mx.array_equal(shifted, gated).item()
+
+
+@pytest.mark.slow  # ~60 s: every product of four generations emulated
+def test_flash_next_steps_take_the_gates_epilogue(monkeypatch, tmp_path):
+    """A tiny Flash-Next (fp32) decoding with the row-invariant products emulated: its gated
+    residuals' gates ride their down / inject products (one launch each), and the greedy
+    tokens are those of the product then the gates' ops."""
+    import qwen38_backend
+    from qwen38_backend.testing import make_tiny_weights
+
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    emulate(monkeypatch, rows_matmul)
+    monkeypatch.setenv("QWEN38_ROWS_KERNEL", "force")  # its probes: the tests above
+    monkeypatch.setenv("QWEN38_ROWS_EPILOGUES", "force")
+    path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
+    prompt = [(3 * i + 5) % 200 + 2 for i in range(7)]
+    gated = []
+    real = rows_matmul.rows_matmul
+    monkeypatch.setattr(
+        rows_matmul,
+        "rows_matmul",
+        lambda *a, **kw: gated.append(kw.get("gates")) or real(*a, **kw),
+    )
+
+    def tokens(switch: str) -> list[int]:
+        monkeypatch.setenv("QWEN38_GATES_KERNEL", switch)
+        clear_caches(rows_matmul)
+        model = qwen38_backend.load(str(path), dtype="float32")
+        return list(model.generate_tokens(prompt, max_tokens=4, stop_token_ids=[]))
+
+    mx.disable_compile()
+    try:
+        plain = tokens("off")
+        assert gated and not any(gated)  # the kernel ran the products, no gates in them
+        gated.clear()
+        assert tokens("force") == plain
+    finally:
+        mx.enable_compile()
+        clear_caches(rows_matmul)
+    model = qwen38_backend.load(str(path), dtype="float32")
+    opens = 2 * len(model.net.model.layers) + 1  # two gated residuals a layer, the read
+    assert sum(g is not None for g in gated) >= 3 * opens  # every step's, from the first
+
+
 @pytest.mark.slow  # ~10 s a dtype (its last change, the combine's unroll, passes here)
 @pytest.mark.parametrize("kv_dtype", [mx.bfloat16, mx.float32])
 def test_decode_attention_kernels_match_sdpa(monkeypatch, kv_dtype):

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernel_import import kernel_module
-from ..rows import STEP_MAX_ROWS, per_row
+from ..rows import STEP_MAX_ROWS, gated_product, per_row
 from .layers import can_fuse, fuse_linears, split_outputs, sum_fp32
 
 
@@ -120,11 +120,13 @@ class GatedResidual(nn.Module):
         """The mixed block input only (the final mixer before lm_head)."""
         kernels = self._kernels(R)
         normed = self._norm(R, kernels)
-        down = per_row(self.input_mix_weight_down, normed)
-        if kernels is None:
-            gate = gate_down(down, self.hc_count)
-        else:
-            gate, _ = kernels.gates(down, self.lowrank, self.hc_count, False)
+        gate = gated_product(self.input_mix_weight_down, normed, self.lowrank, self.hc_count)
+        if gate is None:  # the product, then its gate apart
+            down = per_row(self.input_mix_weight_down, normed)
+            if kernels is None:
+                gate = gate_down(down, self.hc_count)
+            else:
+                gate, _ = kernels.gates(down, self.lowrank, self.hc_count, False)
         return self._mixed(normed, gate, kernels)
 
     def open(self, R: mx.array, normed: mx.array | None = None) -> tuple[mx.array, mx.array]:
@@ -134,6 +136,10 @@ class GatedResidual(nn.Module):
         if normed is None:
             normed = self._norm(R, kernels)
         if "down_inject_proj" in self:
+            L = self.lowrank
+            gated = gated_product(self.down_inject_proj, normed, L, self.hc_count)
+            if gated is not None:  # the gates in the product's epilogue: one launch
+                return self._mixed(normed, gated[:, :L], kernels), gated[:, L:]
             down_inject = per_row(self.down_inject_proj, normed)
             if kernels is not None:
                 gate, inj = kernels.gates(down_inject, self.lowrank, self.hc_count, True)
