@@ -108,11 +108,11 @@ def hooks(net, rec: Recorder):
         roles[id(b.mlp_hyper_connection)] = ("mlp_hc", "moe")
 
     def block_call(real):
-        def call(self, R, ids, st, offset):
+        def call(self, R, ids, st, offset, unclosed=()):
             rec.layer = None
             rec.mark("embed", [R])  # claims nodes only before the first layer
             rec.layer = index[id(self)]
-            out = real(self, R, ids, st, offset)
+            out = real(self, R, ids, st, offset, unclosed)
             rec.mark("state", layer_arrays(st))
             rec.layer = None
             return out

@@ -117,8 +117,9 @@ def compiled_methods(module) -> set[str]:
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_flash_next_compiled_step_equals_op_by_op(tmp_path, monkeypatch, paged):
-    """Flash-Next's compiled decode steps (whole Gated DeltaNet layers; QSA before and after
-    its gather, its selection and block pooling; PLE's mixing; the final stream mix) give the
+    """Flash-Next's compiled decode steps (whole Gated DeltaNet layers, each adding the MoE
+    output the layer before left; QSA before and after its gather, its selection and block
+    pooling; PLE's mixing; the final stream mix) give the
     op-by-op step's logits bit for bit on this CPU: past QSA's dense threshold (the QSA layers
     select), with index buffers grown while decoding (2-row steps: a new compiled selection
     per capacity) and stale rows in them after a rewind. (Both modes run the selection
@@ -139,9 +140,11 @@ def test_flash_next_compiled_step_equals_op_by_op(tmp_path, monkeypatch, paged):
         else:
             assert compiled_methods(block) == {"_attention_in", "_attention_out"}
             assert compiled_methods(block.self_attn) == {"pool"}
-        if block.has_ple:
+        if block.has_ple:  # the step before left its MoE for the PLE layer to add
             assert compiled_methods(block.ple) == {"mix"}
-    assert compiled_methods(net.model.hyper_connection_mixer) == {"read"}
+            assert compiled_methods(block.attn_hyper_connection) == {"close"}
+    # the last layer's MoE is added before the final stream mix
+    assert compiled_methods(net.model.hyper_connection_mixer) == {"close", "read"}
     monkeypatch.setattr(Qwen4ExpBlock, "compile_decode", False)
     np.testing.assert_array_equal(compiled, detour_then_decode(net, ids, 12, factory))
 
@@ -166,7 +169,7 @@ def test_flash_next_verify_rows_take_the_compiled_step(tmp_path, monkeypatch):
     rows = verify()
     attention = next(b for b in net.model.layers if not b.is_linear)
     assert compiled_methods(attention) == {"_attention_in", "_attention_out"}
-    assert compiled_methods(net.model.hyper_connection_mixer) == {"read"}
+    assert compiled_methods(net.model.hyper_connection_mixer) == {"close", "read"}
     monkeypatch.setattr(Qwen4ExpBlock, "compile_decode", False)
     np.testing.assert_array_equal(rows, verify())
 

@@ -181,7 +181,8 @@ def test_expert_kernels_match_an_fp32_reference(emulated, monkeypatch):
 def test_flash_next_greedy_with_the_step_kernels(emulated, tmp_path, monkeypatch):
     """A tiny Flash-Next (fp32; its traces uncompiled, so the emulated kernels see values)
     with the routing and stream-mix kernels on: every layer chooses them, its greedy tokens
-    are the op path's, and a verify's rows equal its plain steps bit for bit."""
+    are the op path's, a verify's rows equal its plain steps bit for bit, and a step adds
+    each layer's MoE output in the next layer's norm launch (but the PLE layer's)."""
     import numpy as np
 
     import qwen38_backend
@@ -214,6 +215,13 @@ def test_flash_next_greedy_with_the_step_kernels(emulated, tmp_path, monkeypatch
         rows = np.array(model.net.logits_from_features(model.forward_features([5, 6, 7], many)))
         for i, step in enumerate(steps):
             assert np.array_equal(rows[i], step), i
+        closes = []
+        real = stream_mix.closed_norm
+        monkeypatch.setattr(stream_mix, "closed_norm", lambda *a: closes.append(1) or real(*a))
+        model.forward([5], one)
+        layers = model.net.model.layers
+        # every mixer's close, and every MoE's but the last one's and the one before PLE
+        assert len(closes) == 2 * len(layers) - 1 - sum(b.has_ple for b in layers[1:])
     finally:
         mx.enable_compile()
 

@@ -23,6 +23,7 @@ from qwen38_backend.models import qsa
 from qwen38_backend.models.hyper_connections import GatedResidual
 from qwen38_backend.models.moe import SparseMoE
 from qwen38_backend.models.ple import head_vocab_sizes, ngram_multipliers, ngram_rows
+from qwen38_backend.models.qwen4_exp import close_streams
 from qwen38_backend.testing.tiny_qwen4_exp import full_config, text_config, write_tiny_qwen4_exp
 
 FIX = Path(__file__).parent / "fixtures" / "qwen4_exp"
@@ -539,7 +540,8 @@ def test_mtp_draft_equals_formula(model):
 
     # then one Flash-Next layer (QSA + MoE, own state), the head's mixer, the shared lm_head
     layer_state = mtp.layers[0].make_state(net.config, ContiguousKV)
-    S = mtp.layers[0](mx.array(S0.astype(np.float32)), None, layer_state, 0)
+    S, unclosed = mtp.layers[0](mx.array(S0.astype(np.float32)), None, layer_state, 0)
+    S = close_streams(mtp.hyper_connection_mixer, S, unclosed)  # (a step's, if any)
     x = mtp.hyper_connection_mixer.read(S)
     expect = np.array(x) @ np.array(net.lm_head.weight).T
     np.testing.assert_allclose(draft, expect, atol=1e-4)

@@ -340,19 +340,23 @@ class GatedDeltaNet(nn.Module):
         )
 
 
-def decode_step(block: nn.Module, h: mx.array, state: GatedDeltaNetState) -> mx.array:
-    """A step of a few rows through a block whose `_linear_step(h, conv, recurrent)` runs its
-    Gated DeltaNet mixer `block.linear_attn` (and whatever surrounds it) as one compiled
-    graph, returning (h, *what GatedDeltaNetState.advance takes); advances `state`."""
+def decode_step(
+    block: nn.Module, h: mx.array, state: GatedDeltaNetState, *carried, outputs: int = 1
+):
+    """A step of a few rows through a block whose `_linear_step(h, *carried, conv,
+    recurrent)` runs its Gated DeltaNet mixer `block.linear_attn` (and whatever surrounds
+    it) as one compiled graph, returning its `outputs` outputs, then what
+    GatedDeltaNetState.advance takes; advances `state`. Returns h (outputs 1) or the list of
+    the outputs."""
     mixer = block.linear_attn
     # the step's dtype is the model's (its conv weights'): h may come wider from the block
     # before (layers.residual_step)
     dtype = mixer.conv1d.weight.dtype
     conv, recurrent = mixer.initial_state(state, dtype)
     mixer.prepare_decode(dtype)  # outside the trace: the kernel probe runs ops
-    h, *rows = compiled(block, "_linear_step")(h, conv, recurrent)
-    state.advance(*rows)
-    return h
+    results = compiled(block, "_linear_step")(h, *carried, conv, recurrent)
+    state.advance(*results[outputs:])
+    return results[0] if outputs == 1 else results[:outputs]
 
 
 def _row(states: mx.array, i: int) -> mx.array:

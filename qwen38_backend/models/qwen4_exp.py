@@ -166,10 +166,18 @@ class Qwen4ExpBlock(nn.Module):
     # False: decode builds the step op by op like prefill (tests compare the two)
     compile_decode = True
 
-    def __call__(self, R: mx.array, ids: mx.array | None, st, offset: int) -> mx.array:
+    def __call__(
+        self, R: mx.array, ids: mx.array | None, st, offset: int, unclosed: tuple = ()
+    ) -> tuple[mx.array, tuple]:
+        """(R, unclosed) after this layer. A step leaves its MoE's close to the next layer,
+        `unclosed` = (the MoE's inject weights, its output): the next layer adds it to R in
+        the launch that norms R for its mixer (where the stream kernels run; `close_streams`
+        adds it otherwise). Elsewhere `unclosed` is () and R is the layer's whole output."""
         # a step (a token, or a verify's few rows: the same graphs, so the same fusions)
         decode = R.shape[0] <= STEP_MAX_ROWS and self.compile_decode
         if self.has_ple:
+            R = close_streams(self.attn_hyper_connection, R, unclosed)
+            unclosed = ()
             R = R + self.ple(R, ids, st.ple, compile=decode)
             st = st.mixer
         # a step: the mixer, the router, experts, shared expert and both stream mixes
@@ -178,14 +186,15 @@ class Qwen4ExpBlock(nn.Module):
         if decode and (prepared is None or prepared != R.dtype):  # once decided: one compare
             self.prepare_decode(R.dtype)
         if self.is_linear and decode:
-            return self.decode_linear(R, st)
+            return self.decode_linear(R, st, unclosed)
         if decode:
-            return self.decode_attention(R, st, offset)
+            return self.decode_attention(R, st, offset, unclosed)
+        R = close_streams(self.attn_hyper_connection, R, unclosed)
         if self.is_linear:
             R = self.attn_hyper_connection(R, lambda x: self.linear_attn(x, st))
         else:
             R = self.attn_hyper_connection(R, lambda x: self.self_attn(x, st, offset))
-        return self.mlp_hyper_connection(R, self.mlp)
+        return self.mlp_hyper_connection(R, self.mlp), ()
 
     _prepared = None  # the dtype whose steps' kernels were chosen (prepare_decode)
 
@@ -199,41 +208,68 @@ class Qwen4ExpBlock(nn.Module):
         self.mlp_hyper_connection.prepare_decode(dtype)
         self._prepared = dtype
 
-    def decode_linear(self, R: mx.array, state: GatedDeltaNetState) -> mx.array:
+    def decode_linear(
+        self, R: mx.array, state: GatedDeltaNetState, unclosed: tuple
+    ) -> tuple[mx.array, tuple]:
         """One token through the whole layer (Gated DeltaNet, MoE, stream mixes), compiled."""
-        return decode_step(self, R, state)
+        R, *unclosed = decode_step(self, R, state, *unclosed, outputs=3)
+        return R, tuple(unclosed)
 
-    def decode_attention(self, R: mx.array, st: QSAState, offset: int) -> mx.array:
+    def decode_attention(
+        self, R: mx.array, st: QSAState, offset: int, unclosed: tuple
+    ) -> tuple[mx.array, tuple]:
         """A step through the whole layer: compiled up to QSA's state writes, then its
         selection (compiled apart: its shapes follow the index buffer) and the store's gather,
         and compiled again from the attention output on (MoE included)."""
         at = scalars.int32(offset)  # an input: a Python int would be traced in
-        inj, qi, raw, q, k, v, gate = compiled(self, "_attention_in")(R, at)
+        R, inj, qi, raw, q, k, v, gate = compiled(self, "_attention_in")(R, at, *unclosed)
         self.self_attn.cache_keys(raw, st, compile=True)
         positions = mx.arange(offset, offset + R.shape[0], dtype=mx.int32)
         out = self.self_attn.attend(q, k, v, qi, positions, st, offset)
-        return compiled(self, "_attention_out")(R, inj, out, gate)
+        R, *unclosed = compiled(self, "_attention_out")(R, inj, out, gate)
+        return R, tuple(unclosed)
 
-    def _attention_in(self, R: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
-        x, inj = self.attn_hyper_connection.open(R)
+    def _attention_in(self, R: mx.array, offset: mx.array, *unclosed) -> tuple[mx.array, ...]:
+        R, x, inj = self._open(R, unclosed)
         positions = positions_after(offset, R.shape[0])
         qi, raw = self.self_attn.index_query(x, positions)
-        return (inj, qi, raw, *self.self_attn.project_qkv(x, offset))
+        return (R, inj, qi, raw, *self.self_attn.project_qkv(x, offset))
 
     def _attention_out(self, R: mx.array, inj: mx.array, out: mx.array, gate: mx.array):
         return self._moe_step(R, inj, self.self_attn.output(out, gate))
 
-    def _linear_step(self, R: mx.array, conv: mx.array, recurrent: mx.array):
-        x, inj = self.attn_hyper_connection.open(R)
+    def _linear_step(self, R: mx.array, *args):
+        """args: the layer before's `unclosed` (maybe none), then the conv and recurrent
+        states; returns (R, inject weights, MoE output, *GatedDeltaNetState.advance's)."""
+        *unclosed, conv, recurrent = args
+        R, x, inj = self._open(R, unclosed)
         out, *new = self.linear_attn.step(x, conv, recurrent)
-        return self._moe_step(R, inj, out), *new
+        return *self._moe_step(R, inj, out), *new
 
-    def _moe_step(self, R: mx.array, inj: mx.array, out: mx.array) -> mx.array:
-        """A step's mixer close and its MoE with both stream mixes (the close and the MoE's
-        norm in one launch where the stream kernels run)."""
+    def _open(self, R: mx.array, unclosed) -> tuple[mx.array, mx.array, mx.array]:
+        """(R with the layer before's MoE added, the mixer's input, its inject weights): the
+        close and this mixer's norm in one launch where the stream kernels run."""
         hc = self.attn_hyper_connection
-        R, normed = hc.close_then_norm(R, inj, out, self.mlp_hyper_connection)
-        return self.mlp_hyper_connection(R, self.mlp, normed)
+        normed = None
+        if unclosed:
+            R, normed = hc.close_then_norm(R, *unclosed, hc)
+        x, inj = hc.open(R, normed)
+        return R, x, inj
+
+    def _moe_step(self, R: mx.array, inj: mx.array, out: mx.array) -> tuple[mx.array, ...]:
+        """A step's mixer close and its MoE with its stream mix (the close and the MoE's norm
+        in one launch where the stream kernels run): (R, the MoE's inject weights, its
+        output), closed by the next layer (`unclosed`)."""
+        hc, mlp_hc = self.attn_hyper_connection, self.mlp_hyper_connection
+        R, normed = hc.close_then_norm(R, inj, out, mlp_hc)
+        x, inj = mlp_hc.open(R, normed)
+        return R, inj, self.mlp(x)
+
+
+def close_streams(hc: GatedResidual, R: mx.array, unclosed: tuple) -> mx.array:
+    """R with a step's `unclosed` (inject weights, block output) added on every stream, as
+    one compiled launch (R itself where nothing is unclosed)."""
+    return compiled(hc, "close")(R, *unclosed) if unclosed else R
 
 
 class Qwen4ExpBody(nn.Module):
@@ -273,10 +309,11 @@ class Qwen4ExpModel(CausalLM):
         with unpadded():  # see logits_from_residual
             rows.prepare(R.dtype, self, ids.shape[0])
             layers = zip(self.model.layers, state.layers, strict=True)
+            unclosed: tuple = ()
             for i, (layer, layer_state) in enumerate(layers):
-                R = layer(R, ids, layer_state, offset)
-                state.layer_built(i, R, ids.shape[0], eager)
-        return R
+                R, unclosed = layer(R, ids, layer_state, offset, unclosed)
+                state.layer_built(i, unclosed[-1] if unclosed else R, ids.shape[0], eager)
+            return close_streams(self.model.hyper_connection_mixer, R, unclosed)
 
     def hidden(self, ids: mx.array, state: SequenceState) -> mx.array:
         """The mixer's read of the final residual, [T, hidden] (what lm_head sees)."""
@@ -475,8 +512,10 @@ class Qwen4ExpMTP(nn.Module):
     ) -> mx.array:
         """The head's residual after its layer(s) [T, hc*H]; advances `state` by T."""
         S = self.fuse(residual, next_embeds)
+        unclosed: tuple = ()
         for layer, st in zip(self.layers, state.layers, strict=True):
-            S = layer(S, None, st, state.offset)
+            S, unclosed = layer(S, None, st, state.offset, unclosed)
+        S = close_streams(self.hyper_connection_mixer, S, unclosed)
         state.offset += S.shape[0]
         state.last_residual = S
         return S
