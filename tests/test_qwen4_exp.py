@@ -248,8 +248,9 @@ def _np_silu(x):
     return x / (1.0 + np.exp(-x))
 
 
+@pytest.mark.parametrize("fused", [False, True])  # the router and shared gate as one product
 @pytest.mark.parametrize("T", (3, 50))  # 50 * top-2 >= 64 takes the expert-sorted path
-def test_moe_matches_per_token_numpy(T):
+def test_moe_matches_per_token_numpy(T, fused):
     E, H, inter, k = 8, 24, 12, 3
     moe = SparseMoE(H, E, k, inter, 10, norm_topk_prob=True)
     rng = np.random.default_rng(0)
@@ -266,7 +267,13 @@ def test_moe_matches_per_token_numpy(T):
 
     moe.update(tree_unflatten([(n, mx.array(v.astype(np.float32))) for n, v in params.items()]))
     x = rng.standard_normal((T, H)).astype(np.float32)
+    if fused:
+        unfused = np.array(moe(mx.array(x)))
+        moe.fuse()
+        assert "router_gate_proj" in moe and "gate" not in moe
     out = np.array(moe(mx.array(x)))
+    if fused:
+        np.testing.assert_array_equal(out, unfused)
     inds, weights = moe.route(mx.array(x))
     P = {n: v.astype(np.float64) for n, v in params.items()}
     for t in range(T):

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..kernel_import import kernel_module
 from ..rows import STEP_MAX_ROWS, per_row
-from .layers import SwiGLU, sum_fp32
+from .layers import SwiGLU, can_fuse, fuse_linears, sum_fp32
 from .parallel import all_sum, part_of, ranks, require_divisible
 
 # Below this many (token, expert) pairs the unsorted gather is cheaper than sorting.
@@ -182,15 +182,35 @@ class SparseMoE(nn.Module):
     ):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.router_width = num_experts  # the router's logits (every expert, however sharded)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+    def fuse(self) -> None:
+        """The router and the shared expert's gate (both read x) as one product (after
+        loading and any `shard`): one launch a step fewer."""
+        parts = [self.gate, self.shared_expert_gate]
+        if not can_fuse(parts):
+            return
+        self.router_gate_proj = fuse_linears(parts)
+        del self["gate"], self["shared_expert_gate"]
+
+    def logits(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(router logits [T, experts], the shared expert's gate logit [T, 1]) of x."""
         # per_row: a verify row's products are a plain step's on the CPU (rows.py)
-        logits = per_row(self.gate, x)
-        if self._route_for == str(logits.dtype) and x.shape[0] <= STEP_MAX_ROWS:
+        if "router_gate_proj" in self:
+            y = per_row(self.router_gate_proj, x)
+            return y[..., : self.router_width], y[..., self.router_width :]
+        return per_row(self.gate, x), per_row(self.shared_expert_gate, x)
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(expert ids, weights) [T, top_k] of x's rows."""
+        return self._routed(self.logits(x)[0])
+
+    def _routed(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        if self._route_for == str(logits.dtype) and logits.shape[0] <= STEP_MAX_ROWS:
             kernel = kernel_module("moe_route")
             if kernel.fits(logits, self.top_k):
                 return kernel.route(logits, self.top_k, self.norm_topk_prob)
@@ -220,14 +240,14 @@ class SparseMoE(nn.Module):
         runs: the routing in one launch (kernels/moe_route.py) and the routed experts in two
         (kernels/expert_qmv.py: 4-bit affine experts on one device), each where it passed
         its probe for this shape and dtype."""
-        held = self.gate.get("scales", self.gate.get("weight"))  # [E, ...], the logits' dtype
-        dtype = held.dtype
+        router = self["router_gate_proj"] if "router_gate_proj" in self else self.gate
+        dtype = router.get("scales", router.get("weight")).dtype  # the logits' dtype
         if self._checked == str(dtype):
             return  # decided once per dtype: this runs every step
         self._checked, self._route_for, self._kernel_for = str(dtype), "", ""
         routing = kernel_module("moe_route")
         if routing is not None and routing.available(
-            held.shape[0], self.top_k, self.norm_topk_prob, dtype
+            self.router_width, self.top_k, self.norm_topk_prob, dtype
         ):
             self._route_for = str(dtype)
         experts = self.experts
@@ -246,22 +266,25 @@ class SparseMoE(nn.Module):
         return kernel_module("expert_qmv").fits(x, self.experts, self.top_k)
 
     def __call__(self, x: mx.array) -> mx.array:
-        inds, weights = self.route(x)
+        logits, gate = self.logits(x)
+        inds, weights = self._routed(logits)
         group = getattr(self, "group", None)
         if group is not None:
-            return all_sum(self._local_experts(x, inds, weights) + self._shared(x), group)
+            return all_sum(self._local_experts(x, inds, weights) + self._shared(x, gate), group)
         if self._fused(x):  # the shared expert run in the kernels, or its output added there
             e, kernel = self.experts, kernel_module("expert_qmv")
             args = (x, inds, weights, e.gate_up_proj, e.down_proj, e.group_size)
-            gate, se = per_row(self.shared_expert_gate, x), self.shared_expert
+            se = self.shared_expert
             if kernel.runs_shared(se, x.dtype):
                 weights_of = (gate, se.gate_up_proj.weight, se.down_proj.weight)
                 return kernel.routed_sum(*args, shared_weights=weights_of)
             return kernel.routed_sum(*args, shared=(gate, se(x)))
-        return weighted_experts(self.experts, x, inds, weights) + self._shared(x)
+        return weighted_experts(self.experts, x, inds, weights) + self._shared(x, gate)
 
-    def _shared(self, x: mx.array) -> mx.array:
-        return mx.sigmoid(per_row(self.shared_expert_gate, x)) * self.shared_expert(x)
+    def _shared(self, x: mx.array, gate: mx.array | None = None) -> mx.array:
+        """The gated shared expert; `gate`: its gate logit where `logits` gave it."""
+        gate = self.logits(x)[1] if gate is None else gate
+        return mx.sigmoid(gate) * self.shared_expert(x)
 
     def _local_experts(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         """sum over the (token, expert) pairs routed to this rank's experts, [T, H]."""
