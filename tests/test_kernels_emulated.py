@@ -37,6 +37,30 @@ from qwen38_backend.models.moe import QuantizedExperts, route, weighted_experts
 MODULES = (moe_route, stream_mix, expert_qmv)
 
 
+def greedy_off_on(
+    monkeypatch, path, prompt: list[int], switch: str, on: str, reset, max_tokens: int, between
+) -> tuple[list[int], list[int]]:
+    """The greedy tokens of a tiny fp32 model at `path`, freshly loaded with the environment
+    `switch` off, then `on` (reset() before each and after: the kernel's cached probes;
+    between() in between), its traces uncompiled so that emulated kernels see values."""
+    import qwen38_backend
+
+    def tokens(choice: str) -> list[int]:
+        monkeypatch.setenv(switch, choice)
+        reset()
+        model = qwen38_backend.load(str(path), dtype="float32")
+        return list(model.generate_tokens(prompt, max_tokens=max_tokens, stop_token_ids=[]))
+
+    mx.disable_compile()
+    try:
+        plain = tokens("off")
+        between()
+        return plain, tokens(on)
+    finally:
+        mx.enable_compile()
+        reset()
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     if shutil.which("g++") is None:
@@ -273,7 +297,6 @@ def test_flash_next_greedy_with_the_qsa_select_kernel(emulated_select, tmp_path,
     """A tiny Flash-Next (fp32, 2-block budget; its traces uncompiled, so the emulated kernel
     sees values) decoding past its dense threshold: its steps choose through the kernel, and
     the greedy tokens are the op path's."""
-    import qwen38_backend
     from qwen38_backend.testing import make_tiny_weights
 
     path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
@@ -282,21 +305,17 @@ def test_flash_next_greedy_with_the_qsa_select_kernel(emulated_select, tmp_path,
     real = top_select.decode_tokens
     monkeypatch.setattr(top_select, "decode_tokens", lambda *a: calls.append(1) or real(*a))
 
-    def tokens(switch: str) -> list[int]:
-        monkeypatch.setenv("QWEN38_QSA_SELECT_KERNEL", switch)
+    def reset() -> None:
         top_select.qsa_available.cache_clear()
         qsa._DECODE_TOKENS.clear()
-        model = qwen38_backend.load(str(path), dtype="float32")
-        return list(model.generate_tokens(prompt, max_tokens=6, stop_token_ids=[]))
 
-    mx.disable_compile()
-    try:
-        plain = tokens("off")
-        assert not calls
-        assert tokens("auto") == plain
-    finally:
-        mx.enable_compile()
-    assert len(calls) > 6  # the probe's calls, then the steps'
+    plain, selected = greedy_off_on(
+        monkeypatch, path, prompt, "QWEN38_QSA_SELECT_KERNEL", "auto", reset, 6,
+        between=lambda: calls.append(len(calls)),
+    )  # fmt: skip
+    assert calls[0] == 0  # the op path made no call
+    assert selected == plain
+    assert len(calls) > 7  # the probe's calls, then the steps'
 
 
 @pytest.mark.slow  # ~40 s: every attention of four generations emulated
@@ -349,7 +368,6 @@ def test_flash_next_steps_norm_and_rope_qk_in_one_launch(monkeypatch, tmp_path):
     QSA layer's step runs it (its gated heads, partial rotary dims), and the greedy tokens
     are the op path's. Forced: the emulation's fp32 frequencies are the C library's, not
     MLX's CPU RoPE's, so its probe (two ulps at position 4,093) runs on the GPU only."""
-    import qwen38_backend
     from qwen38_backend.testing import make_tiny_weights
 
     if shutil.which("g++") is None:
@@ -361,23 +379,15 @@ def test_flash_next_steps_norm_and_rope_qk_in_one_launch(monkeypatch, tmp_path):
     real = qk_norm_rope.qk_norm_rope
     monkeypatch.setattr(qk_norm_rope, "qk_norm_rope", lambda *a: calls.append(a[-1]) or real(*a))
 
-    def tokens(switch: str) -> list[int]:
-        monkeypatch.setenv("QWEN38_QK_KERNEL", switch)
-        clear_caches(qk_norm_rope)
-        model = qwen38_backend.load(str(path), dtype="float32")
-        return list(model.generate_tokens(prompt, max_tokens=5, stop_token_ids=[]))
-
-    mx.disable_compile()
-    try:
-        plain = tokens("off")
-        assert not calls
-        assert tokens("force") == plain
-    finally:
-        mx.enable_compile()
-        clear_caches(qk_norm_rope)
+    plain, fused = greedy_off_on(
+        monkeypatch, path, prompt, "QWEN38_QK_KERNEL", "force",
+        lambda: clear_caches(qk_norm_rope), 5, between=lambda: calls.append(None),
+    )  # fmt: skip
+    assert calls[0] is None  # the op path made no call
+    assert fused == plain
     layout = calls[-1]
     assert layout.gated and layout.dims < layout.head_dim  # QSA's gate, partial rotation
-    assert len(calls) >= 4  # one a QSA layer a step
+    assert len(calls) >= 5  # the marker, then one a QSA layer a step
 
 
 @pytest.mark.parametrize(
@@ -535,21 +545,14 @@ def test_flash_next_steps_take_the_gates_epilogue(monkeypatch, tmp_path):
         lambda *a, **kw: gated.append(kw.get("gates")) or real(*a, **kw),
     )
 
-    def tokens(switch: str) -> list[int]:
-        monkeypatch.setenv("QWEN38_GATES_KERNEL", switch)
-        clear_caches(rows_matmul)
-        model = qwen38_backend.load(str(path), dtype="float32")
-        return list(model.generate_tokens(prompt, max_tokens=4, stop_token_ids=[]))
-
-    mx.disable_compile()
-    try:
-        plain = tokens("off")
-        assert gated and not any(gated)  # the kernel ran the products, no gates in them
-        gated.clear()
-        assert tokens("force") == plain
-    finally:
-        mx.enable_compile()
-        clear_caches(rows_matmul)
+    plain, fused = greedy_off_on(
+        monkeypatch, path, prompt, "QWEN38_GATES_KERNEL", "force",
+        lambda: clear_caches(rows_matmul), 4, between=lambda: gated.append("marker"),
+    )  # fmt: skip
+    split = gated.index("marker")
+    assert split and not any(gated[:split])  # the kernel ran the products, no gates in them
+    assert fused == plain
+    gated = gated[split + 1 :]
     model = qwen38_backend.load(str(path), dtype="float32")
     opens = 2 * len(model.net.model.layers) + 1  # two gated residuals a layer, the read
     assert sum(g is not None for g in gated) >= 3 * opens  # every step's, from the first
