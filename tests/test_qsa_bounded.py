@@ -84,6 +84,32 @@ def test_gathered_attention_equals_masked(model, monkeypatch, gather_bytes, tied
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_rope_rounds_a_norms_rows_as_the_norm_would(dtype):
+    """rope_at on a zero-centred norm's fp32 rows with their dtype (the rounding done in its
+    own elementwise kernel, the partners gathered in fp32) gives the bits of rope_at on the
+    norm's rounded rows, compiled as a step runs it, at small and deep positions."""
+    from qwen38_backend.models.layers import RMSNorm
+
+    norm = RMSNorm(128, 1e-6, zero_centered=True)
+    norm.weight = 0.1 * mx.random.normal((128,), key=mx.random.key(1))
+    x = (3 * mx.random.normal((3, 4, 128), key=mx.random.key(2))).astype(dtype)
+    pos = mx.array([7, 4093, 262_143], dtype=mx.int32)
+
+    def rounded_first(x, pos):
+        return qsa.rope_at(norm(x), pos, 64, 1e7)
+
+    def rounded_inside(x, pos):
+        return qsa.rope_at(norm.for_product(x), pos, 64, 1e7, x.dtype)
+
+    want = mx.compile(rounded_first)(x, pos)
+    got = mx.compile(rounded_inside)(x, pos)
+    assert got.dtype == dtype
+    assert mx.array_equal(got, want).item()
+    wrong = qsa.rope_at(norm.for_product(x), pos, 64, 1e7)  # never rounded: other bits
+    assert not mx.array_equal(wrong.astype(dtype), want).item()
+
+
 def test_token_ids_cover_the_mask_exactly():
     rng = np.random.default_rng(0)
     scores = mx.array(rng.integers(0, 3, (9, 12)).astype(np.float32))  # many ties

@@ -86,20 +86,28 @@ def _rope_lanes(dims: int, theta: float, width: int) -> tuple[mx.array, mx.array
     return freq, sign, partner
 
 
-def rope_at(x: mx.array, positions: mx.array, dims: int, theta: float) -> mx.array:
+def rope_at(
+    x: mx.array, positions: mx.array, dims: int, theta: float, dtype: mx.Dtype | None = None
+) -> mx.array:
     """NeoX rotate-half RoPE on the first `dims` features; x [N, ..., D], positions [N].
 
     x * cos + partner(x) * (+-sin) over every feature at once (x1 cos - x2 sin, x2 cos +
     x1 sin: the same products and sums as the halves written out), so a compiled step runs
     it as one gather (the partners) and one elementwise kernel instead of about ten
-    launches (sine, cosine, the halves' products, their concatenation, the casts)."""
+    launches (sine, cosine, the halves' products, their concatenation, the casts).
+
+    `dtype`: x holds fp32 rows that are x rounded to `dtype` first (a norm's for_product):
+    the rounding is done inside that elementwise kernel (the gather takes the fp32 rows; a
+    cast commutes with it), one launch fewer than rounding first; the result is in `dtype`.
+    The angles are formed in their broadcast shape (no reshape after the product), so they
+    fuse into the same kernel."""
+    dtype = dtype or x.dtype
     width = x.shape[-1]
     freq, sign, partner = _rope_lanes(dims, theta, width)
-    shape = (positions.shape[0],) + (1,) * (x.ndim - 2) + (width,)
-    ang = (positions.astype(mx.float32)[:, None] * freq[None, :]).reshape(shape)
-    swapped = mx.take(x, partner, axis=-1).astype(mx.float32)
-    out = x.astype(mx.float32) * mx.cos(ang) + swapped * (sign * mx.sin(ang))
-    return out.astype(x.dtype)
+    ang = positions.reshape((-1,) + (1,) * (x.ndim - 1)).astype(mx.float32) * freq
+    swapped = mx.take(x, partner, axis=-1).astype(dtype).astype(mx.float32)
+    out = x.astype(dtype).astype(mx.float32) * mx.cos(ang) + swapped * (sign * mx.sin(ang))
+    return out.astype(dtype)
 
 
 # ----- selection ------------------------------------------------------------------------------
@@ -109,9 +117,9 @@ def pool_blocks(
     """Pooled keys [n, D] for raw keys [n * ratio, D] of blocks first_block..first_block+n-1."""
     n = raw.shape[0] // ratio
     mean = raw[: n * ratio].astype(mx.float32).reshape(n, ratio, -1).mean(axis=1)
-    kb = norm(mean.astype(raw.dtype))
+    kb = norm.for_product(mean.astype(raw.dtype))  # rounded to raw's dtype in rope_at
     pos = (_arange(n) + first_block) * ratio
-    return rope_at(kb, pos, dims, theta)
+    return rope_at(kb, pos, dims, theta, raw.dtype)
 
 
 def block_scores(qi: mx.array, kb: mx.array) -> mx.array:
@@ -436,8 +444,8 @@ class QSAAttention(Attention):
         ix = self.indexer
         qk = per_row(ix.index_qk_proj, x)  # a verify row = a plain step's (rows.py)
         split = ix.n_heads * ix.head_dim
-        qi = ix.q_layernorm(qk[:, :split].reshape(T, ix.n_heads, ix.head_dim))
-        qi = rope_at(qi, positions, self.rope.dims, self.rope.theta)
+        qi = ix.q_layernorm.for_product(qk[:, :split].reshape(T, ix.n_heads, ix.head_dim))
+        qi = rope_at(qi, positions, self.rope.dims, self.rope.theta, qk.dtype)
         return qi, qk[:, split:]
 
     def cache_keys(self, raw: mx.array, st: QSAState, compile: bool = False) -> None:
