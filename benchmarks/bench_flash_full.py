@@ -27,7 +27,9 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
   must decode the same tokens);
 - with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
   on (routing, stream mixes, routed experts, QSA's selection: kernels/moe_route.py,
-  stream_mix.py, expert_qmv.py, top_select.py; "inplace": QSA steps reading their chosen
+  stream_mix.py, expert_qmv.py, top_select.py; "qk": QSA's q/k norms and RoPE,
+  qk_norm_rope.py; "gates" / "mix": the gated residuals' gates / block-input mix in their
+  products' epilogues, rows_matmul.py; "inplace": QSA steps reading their chosen
   blocks in place through kernels/decode_attention.py; the rest off), the sets taking turns run by
   run, the layers that chose them, whether the tokens are the default's and the first that
   is not (against the default's gap between its two largest logits at each step,
@@ -192,16 +194,17 @@ STEP_KERNELS = {
     "select": "QSA_SELECT",
     "qk": "QK",
     "gates": "GATES",
+    "mix": "MIX",
 }
 IN_PLACE = "inplace"  # a set's name for QSA's in-place block reads (no environment switch)
-# each step kernel's module and its cached probe (cleared when the switches change)
+# each step kernel's module and its cached probes (cleared when the switches change)
 STEP_PROBES = {
-    "moe_route": "available",
-    "stream_mix": "available",
-    "expert_qmv": "available",
-    "top_select": "qsa_available",
-    "qk_norm_rope": "available",
-    "rows_matmul": "gates_available",
+    "moe_route": ("available",),
+    "stream_mix": ("available",),
+    "expert_qmv": ("available",),
+    "top_select": ("qsa_available",),
+    "qk_norm_rope": ("available",),
+    "rows_matmul": ("gates_available", "mix_available"),
 }
 
 
@@ -243,9 +246,9 @@ def switch_step_kernels(model, chosen: set[str]) -> None:
     # "inplace": QSA steps read their chosen blocks in place (the split-KV kernel's page
     # lists) rather than gathering them for MLX's attention
     one_token.READ_PAGES_IN_PLACE = IN_PLACE in chosen
-    for module_name, probe in STEP_PROBES.items():
+    for module_name, probes in STEP_PROBES.items():
         kernels = kernel_module(module_name)
-        if kernels is not None:
+        for probe in probes if kernels is not None else ():
             getattr(kernels, probe).cache_clear()
 
     def reset(_, module: nn.Module) -> None:

@@ -71,9 +71,9 @@ ACCUMULATORS = """
     const int ks = warp % KS, first = ks * 32 + lane, stride = 32 * KS;
     const long long n0 = ((long long)blockIdx.x * (WARPS / KS) + warp / KS) * NW;
     // the weight row of the warp's output j: n0 + j, or for SWIGLU (NW even) its pairs'
-    // gate and up rows, q and q + N / 2 for q = (n0 + j) / 2
+    // gate and up rows, q and q + N / 2 for q = (n0 + j) / 2 (MIX: ROWS["mix"])
     auto row = [&](int j) -> long long {
-        return SWIGLU ? (n0 >> 1) + (j >> 1) + (j & 1) * (N >> 1) : n0 + j;
+        return __ROW__;
     };
     const W* wv = reinterpret_cast<const W*>(w);
     float acc[R][NW];
@@ -193,7 +193,12 @@ REDUCE = """
 # GATES: a gated residual's low-rank gates from its fused down / inject product (template GL,
 # its low rank, and GS, its streams): v = y / GS in T, then silu(v) for the first GL outputs
 # and 2 sigmoid(v) for the rest, with MLX's ops, as models/hyper_connections.py's gate_down
-# and gate_inject compute them (the stream kernels' `gates` launch, stored as the product is).
+# and gate_inject compute them (the stream kernels' `gates` launch, stored as the product is);
+# MIX: a gated residual's block input from its up product (template MS, its streams, each a
+# stretch of H = N / MS outputs): a warp's NW = MS outputs are output h of every stream
+# (ROWS), and the store mixes them with the normed streams (input `streams` [R, N]) as the
+# stream kernels' `mix` launch does, each output rounded to T first as a plain store would:
+# x[r, h] = T(sum over s of sigmoid(T(y_s)) * streams[r, s * H + h], in fp32) * T(1 / MS).
 STORES = {
     "": "y[i] = T(acc[r][j]);",
     "residual": "y[i] = static_cast<O>(mlx::core::cu::Add{}(static_cast<T>(res[i]), "
@@ -206,6 +211,19 @@ y[i >> 1] = Multiply{}(Multiply{}(g, Sigmoid{}(g)), u);""",
 const T v = Divide{}(T(acc[r][j]), static_cast<T>(static_cast<float>(GS)));
 const T sig = Sigmoid{}(v);
 y[i] = n0 + j < GL ? Multiply{}(v, sig) : Multiply{}(static_cast<T>(2.0f), sig);""",
+    "mix": """if (j != 0) continue;
+using namespace mlx::core::cu;
+const long long H = N / MS, h = n0 / MS;
+float total = 0.0f;
+#pragma unroll
+for (int s = 0; s < MS; ++s)
+    total += static_cast<float>(Multiply{}(Sigmoid{}(T(acc[r][s])), streams[(r * MS + s) * H + h]));
+y[r * H + h] = Multiply{}(static_cast<T>(total), static_cast<T>(1.0f / static_cast<float>(MS)));""",
+}
+# The weight row of a warp's output j, by epilogue (the rest: ROWS[""]).
+ROWS = {
+    "": "SWIGLU ? (n0 >> 1) + (j >> 1) + (j & 1) * (N >> 1) : n0 + j",
+    "mix": "n0 / MS + j * (N / MS)",
 }
 EPILOGUE_HEADERS = {
     "": "",
@@ -213,7 +231,7 @@ EPILOGUE_HEADERS = {
     "swiglu": '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
     '#include "mlx/backend/cuda/device/binary_ops.cuh"\n',
 }
-EPILOGUE_HEADERS["gates"] = EPILOGUE_HEADERS["swiglu"]
+EPILOGUE_HEADERS["gates"] = EPILOGUE_HEADERS["mix"] = EPILOGUE_HEADERS["swiglu"]
 
 # A lane's chunk of a weight row: C elements of T as one 16- or 8-byte load, and as floats.
 # (Kept short: MLX hashes a kernel's whole source at every launch it encodes.)
@@ -385,6 +403,7 @@ def _kernel(staged: bool, shared_bytes: int, epilogue: str = "", eps: float | No
     source = (_STAGED_SOURCE if staged else _SOURCE).replace("__X_PROLOGUE__", X_PROLOGUE)
     source = source.replace("__X_COPY__", X_COPY if eps is None else X_COPY_NORMED)
     source = source.replace("__THREADS__", str(THREADS))
+    source = source.replace("__ROW__", ROWS.get(epilogue, ROWS[""]))
     parts = ["qwen38_rows_matmul", *(["staged"] if staged else []), epilogue]
     if eps is not None:
         parts.append("norm" + _eps_tag(eps))
@@ -392,7 +411,8 @@ def _kernel(staged: bool, shared_bytes: int, epilogue: str = "", eps: float | No
         name="_".join(p for p in parts if p),
         input_names=["x", "w"]
         + (["scale"] if eps is not None else [])
-        + (["res"] if epilogue == "residual" else []),
+        + (["res"] if epilogue == "residual" else [])
+        + (["streams"] if epilogue == "mix" else []),
         output_names=["y"],
         source=source.replace("__STORE__", STORES[epilogue]).replace(
             "__EPS__", float32_literal(eps or 0.0)
@@ -451,10 +471,11 @@ def _split(n: int) -> int:
     return SPLIT_K if n <= SPLIT_K_MAX_N else 1
 
 
-def _shape(rows: int, chunk_bytes: int, pairs: bool = False) -> tuple[int, int]:
+def _shape(rows: int, chunk_bytes: int, pairs: bool = False, group: int = 0) -> tuple[int, int]:
     """(outputs per warp, chunks a lane loads per output before using them) for a launch of
-    `rows` rows: LOADS x 16 bytes in flight per lane; `pairs`: an even count of outputs."""
-    nw = OUTPUTS_PER_WARP.get(rows, WIDE_OUTPUTS)
+    `rows` rows: LOADS x 16 bytes in flight per lane; `pairs`: an even count of outputs;
+    `group`: exactly that many (a mix's streams)."""
+    nw = group or OUTPUTS_PER_WARP.get(rows, WIDE_OUTPUTS)
     nw += nw % 2 if pairs else 0
     return nw, max(LOADS * 16 // chunk_bytes // nw, 1)
 
@@ -468,6 +489,7 @@ def rows_matmul(
     swiglu: bool = False,
     norm: tuple[mx.array, float] | None = None,
     gates: tuple[int, int] | None = None,
+    mix: tuple[mx.array, int] | None = None,
 ) -> mx.array:
     """x [R, K] @ w[N, K].T -> [R, N] in w's dtype (fp32 accumulation), R >= 1, every row
     computed as a one-row call computes it. x of w's dtype, or fp32 for a half-precision w
@@ -482,7 +504,10 @@ def rows_matmul(
     + the product in w's dtype, then cast to `dtype` (default w's); `swiglu`: w's rows are a
     fused [gate; up] pair of N / 2 each, the output [R, N / 2] is silu(gate) * up; `gates`
     (low rank L, streams S): a gated residual's down / inject product, the output [R, N]
-    silu(y / S) in its first L columns and 2 sigmoid(y / S) in the rest (GATES)."""
+    silu(y / S) in its first L columns and 2 sigmoid(y / S) in the rest (GATES); `mix`
+    (normed streams [R, N] of w's dtype, their count S): a gated residual's up product mixed
+    into its block input, the output [R, N / S] as stream_mix.mix of the stored product and
+    the streams (MIX)."""
     n, k, size = w.shape[0], w.shape[1], w.dtype.size
     copy_x = X_SHARED == "all" or (x.dtype != w.dtype and X_SHARED == "wide") or bool(norm)
     if copy_x and min(x.shape[0], ROWS_PER_LAUNCH) * k * size > X_SHARED_MAX:
@@ -497,6 +522,10 @@ def rows_matmul(
     if gates is not None:
         epilogue = "gates"
         template += [("GL", gates[0]), ("GS", gates[1])]
+    streams = 0
+    if mix is not None:
+        epilogue, streams = "mix", mix[1]
+        template.append(("MS", streams))
     out_dtype = w.dtype
     if residual is not None:
         out_dtype = dtype or w.dtype
@@ -505,10 +534,13 @@ def rows_matmul(
     eps = None if norm is None else norm[1]
 
     def launch(rows: int) -> tuple:
-        return _launch(rows, n, chunk * size, rows * k * size if copy_x else 0, epilogue, eps)
+        x_bytes = rows * k * size if copy_x else 0
+        return _launch(rows, n, chunk * size, x_bytes, epilogue, eps, streams)
 
     by_rows = [] if residual is None else [residual]
     width = n // 2 if swiglu else n
+    if mix is not None:
+        by_rows, width = [mix[0]], n // streams
     operands = [w] if norm is None else [w, norm[0]]
     return launch_in_parts(launch, x, operands, n, template, out_dtype, by_rows, width)
 
@@ -532,12 +564,19 @@ def _chunk(dtype: mx.Dtype) -> int:
 
 
 def _launch(
-    rows: int, n: int, chunk_bytes: int, x_bytes: int, epilogue: str = "", eps: float | None = None
+    rows: int,
+    n: int,
+    chunk_bytes: int,
+    x_bytes: int,
+    epilogue: str = "",
+    eps: float | None = None,
+    streams: int = 0,
 ) -> tuple:
     """(kernel, template constants) of a launch of `rows` rows and `n` outputs, with x's
     rows copied to `x_bytes` of shared memory (0: read in place; normed with `eps`); a
-    swiglu epilogue takes its outputs in pairs (an even count per warp)."""
-    nw, loads = _shape(rows, chunk_bytes, pairs=epilogue == "swiglu")
+    swiglu epilogue takes its outputs in pairs (an even count per warp), a mix one output of
+    each of its `streams` per warp."""
+    nw, loads = _shape(rows, chunk_bytes, epilogue == "swiglu", streams)
     shape = [("R", rows), ("NW", nw), ("KS", _split(n)), ("XS", x_bytes > 0)]
     if rows >= STAGED_FROM:
         stages = STAGES * 16 // chunk_bytes  # the same bytes in flight for either chunk
@@ -616,9 +655,10 @@ def fits(
     swiglu: bool = False,
     scale: mx.array | None = None,
     gates: bool = False,
+    mix: tuple[mx.array, int] | None = None,
 ) -> bool:
     """Whether rows_matmul takes these operands (shapes and dtypes; not the probe); `scale`:
-    a norm's; `gates`: the gates epilogue (no other)."""
+    a norm's; `gates`: the gates epilogue, `mix` the mix epilogue (no other)."""
     vec = 16 // w.dtype.size
     if scale is not None and (scale.shape != (x.shape[-1],) or scale.dtype != mx.float32):
         return False
@@ -638,6 +678,18 @@ def fits(
         )
         and (not swiglu or (residual is None and w.shape[0] % 2 == 0))
         and (not gates or (residual is None and not swiglu))
+        and (mix is None or _mixes(x, w, *mix) and residual is None and not (swiglu or gates))
+    )
+
+
+def _mixes(x: mx.array, w: mx.array, streams: mx.array, count: int) -> bool:
+    """Whether the mix epilogue takes normed `streams` of `count` for x @ w.T."""
+    n = w.shape[0]
+    return (
+        count > 0
+        and n % count == 0
+        and streams.shape == (x.shape[0], n)
+        and (streams.dtype == w.dtype)
     )
 
 
@@ -714,6 +766,31 @@ def gates_available(dtype: mx.Dtype) -> bool:
         return [(fused, want), (alone, fused[1:2])]
 
     return _same_bits(pairs, "rows matmul gates epilogue", "the gated residual's ops")
+
+
+@functools.cache
+def mix_available(dtype: mx.Dtype) -> bool:
+    """True when the product runs here (available) and its mix epilogue stores, bit for bit,
+    what the stream kernels' mix launch computes from the plain product (stream_mix.mix),
+    probed once per dtype (a disagreement warns). QWEN38_MIX_KERNEL: auto | off | force
+    (skip the probe)."""
+    decided = switched("QWEN38_MIX_KERNEL", lambda: available(dtype))
+    if decided is not None:
+        return decided
+    from .stream_mix import mix  # the launch the epilogue replaces
+
+    kx, kw, ks = mx.random.split(mx.random.key(29), 3)
+    rows, k, streams, hidden = 3, 40 * (16 // dtype.size), 4, 203  # a partial last block
+    x = mx.random.normal((rows, k), key=kx).astype(dtype)
+    w = (4 * mx.random.normal((streams * hidden, k), key=kw) * k**-0.5).astype(dtype)
+    normed = mx.random.normal((rows, streams * hidden), key=ks).astype(dtype)
+
+    def pairs() -> list[tuple[mx.array, mx.array]]:
+        fused = rows_matmul(x, w, mix=(normed, streams))
+        alone = rows_matmul(x[1:2], w, mix=(normed[1:2], streams))
+        return [(fused, mix(rows_matmul(x, w), normed, streams)), (alone, fused[1:2])]
+
+    return _same_bits(pairs, "rows matmul mix epilogue", "the stream kernels' mix")
 
 
 @functools.cache

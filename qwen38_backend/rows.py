@@ -83,6 +83,7 @@ def prepare(dtype: mx.Dtype, net: nn.Module | None = None, rows: int = 0) -> Non
         kernels.epilogues_available(dtype)
         kernels.norm_available(dtype)
         kernels.gates_available(dtype)
+        kernels.mix_available(dtype)
     pad = _device_pad()
     quantized = _NO_QUANTIZED
     if pad > 1 and net is not None:
@@ -377,6 +378,22 @@ def gated_product(linear, x: mx.array, low_rank: int, streams: int) -> mx.array 
     if not kernels.gates_available(weight.dtype) or not kernels.fits(x, weight, gates=True):
         return None
     return kernels.rows_matmul(x, weight, gates=(low_rank, streams))
+
+
+def mixed_product(linear, x: mx.array, streams: mx.array, count: int) -> mx.array | None:
+    """A gated residual's block input from a step's low-rank gates x [T, L]: its up product
+    mixed with the normed `streams` [T, count * H] in the kernel's epilogue
+    (kernels/rows_matmul.py, MIX): [T, H], the bits of the product then the stream kernels'
+    mix launch; None where this forward's plan does not run the kernel for these operands or
+    the epilogue did not pass its probe (the caller mixes apart)."""
+    weight, bias = _kernel_weight(linear, x)
+    if weight is None or bias is not None or x.ndim != 2:
+        return None
+    kernels = kernel_module("rows_matmul")
+    mix = (streams, count)
+    if not kernels.mix_available(weight.dtype) or not kernels.fits(x, weight, mix=mix):
+        return None
+    return kernels.rows_matmul(x, weight, mix=mix)
 
 
 def _normed_product(

@@ -683,7 +683,7 @@ def _decode_with(
     path = make_tiny_weights(arch, tmp_path / "q", dtype="bfloat16")
     probes = [
         getattr(module, name)
-        for name in ("available", "norm_available", "gates_available")
+        for name in ("available", "norm_available", "gates_available", "mix_available")
         if hasattr(module, name)
     ]
     tokens, logits, nodes = {}, {}, {}
@@ -1067,6 +1067,23 @@ def test_gates_epilogue_keeps_flash_next_steps_bit_for_bit(tmp_path, monkeypatch
     calls = _count_calls(monkeypatch, kernel, "rows_matmul", lambda *_, **kw: "gates" in kw)
     tokens, logits, _ = _decode_with(
         tmp_path, monkeypatch, "QWEN38_GATES_KERNEL", kernel, "qwen4_exp"
+    )
+    assert any(calls)
+    assert tokens["auto"] == tokens["off"]
+    for a, b in zip(logits["auto"], logits["off"], strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_mix_epilogue_keeps_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
+    """A bf16 tiny Flash-Next decoding with its gated residuals' block inputs mixed in the up
+    products' epilogue (kernels/rows_matmul.py, MIX) picks the same greedy tokens with the
+    same logits, bit for bit, as with the product and the stream kernels' mix launch apart;
+    its steps ran it."""
+    from qwen38_backend.kernels import rows_matmul as kernel
+
+    calls = _count_calls(monkeypatch, kernel, "rows_matmul", lambda *_, **kw: "mix" in kw)
+    tokens, logits, _ = _decode_with(
+        tmp_path, monkeypatch, "QWEN38_MIX_KERNEL", kernel, "qwen4_exp"
     )
     assert any(calls)
     assert tokens["auto"] == tokens["off"]

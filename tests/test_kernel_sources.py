@@ -176,7 +176,7 @@ def test_gdn_decode_compiles(recorded, tmp_path, dtype, spec):
     compiles(tmp_path, kernel, types, [("T", dtype)])
 
 
-@pytest.mark.parametrize("epilogue", ["", "residual", "swiglu", "gates"])
+@pytest.mark.parametrize("epilogue", ["", "residual", "swiglu", "gates", "mix"])
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
 def test_rows_matmul_compiles(recorded, tmp_path, epilogue, staged, norm):
@@ -187,6 +187,7 @@ def test_rows_matmul_compiles(recorded, tmp_path, epilogue, staged, norm):
     for x_dtype in (mx.bfloat16, mx.float32):
         for in_shared in (False, True):
             types = {"x": C_TYPES[x_dtype], "w": BF16, "scale": "float", "res": "float", "y": BF16}
+            types["streams"] = BF16
             template = [
                 ("T", mx.bfloat16),
                 ("X", x_dtype),
@@ -195,7 +196,9 @@ def test_rows_matmul_compiles(recorded, tmp_path, epilogue, staged, norm):
             ]
             template += [("O", mx.float32)] if epilogue == "residual" else []
             template += [("GL", 320), ("GS", 4)] if epilogue == "gates" else []
-            template += [("R", rows), ("NW", 2), ("KS", 4), ("XS", in_shared), ("XO", 0), *walk]
+            template += [("MS", 4)] if epilogue == "mix" else []
+            nw = 4 if epilogue == "mix" else 2
+            template += [("R", rows), ("NW", nw), ("KS", 4), ("XS", in_shared), ("XO", 0), *walk]
             compiles(tmp_path, kernel, types, template)
 
 

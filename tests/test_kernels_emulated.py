@@ -522,11 +522,44 @@ def test_rows_matmul_gates_epilogue_stores_the_gates_launch(emulated_27b, monkey
     assert not mx.array_equal(shifted, gated).item()
 
 
-@pytest.mark.slow  # ~60 s: every product of four generations emulated
-def test_flash_next_steps_take_the_gates_epilogue(monkeypatch, tmp_path):
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_rows_matmul_mix_epilogue_stores_the_mix_launch(emulated_27b, monkeypatch, dtype):
+    """The mix epilogue (Flash-Next's gated residuals: an up product of low rank 320 into 4
+    streams, one row and three) stores what the product then the stream kernels' mix launch
+    give, bit for bit, and a row alone its row of three; its probe passes; mixing the
+    streams of the wrong hidden index (a mutation of its row map) fails it."""
+    emulate(monkeypatch, stream_mix)
+    monkeypatch.setenv("QWEN38_ROWS_KERNEL", "force")
+    keys = mx.random.split(mx.random.key(5), 3)
+    low, streams, hidden = 320, 4, 96
+    w = (mx.random.normal((streams * hidden, low), key=keys[0]) * low**-0.5).astype(dtype)
+    for rows in (1, 3):
+        x = mx.random.normal((rows, low), key=keys[1]).astype(dtype)
+        normed = mx.random.normal((rows, streams * hidden), key=keys[2]).astype(dtype)
+        plain = rows_matmul.rows_matmul(x, w)
+        mixed = rows_matmul.rows_matmul(x, w, mix=(normed, streams))
+        assert mixed.shape == (rows, hidden)
+        assert mx.array_equal(mixed, stream_mix.mix(plain, normed, streams)).item()
+        one = rows_matmul.rows_matmul(x[-1:], w, mix=(normed[-1:], streams))
+        assert mx.array_equal(one, mixed[-1:]).item()
+    assert rows_matmul.mix_available(dtype)
+    rows_matmul.mix_available.cache_clear()
+    monkeypatch.setitem(rows_matmul.ROWS, "mix", "(n0 / MS + 1) % (N / MS) + j * (N / MS)")
+    clear_caches(rows_matmul)
+    shifted = rows_matmul.rows_matmul(x, w, mix=(normed, streams))
+    assert not mx.array_equal(shifted, mixed).item()
+    with pytest.warns(UserWarning, match="mix epilogue"):
+        assert not rows_matmul.mix_available(dtype)
+    rows_matmul.mix_available.cache_clear()
+
+
+@pytest.mark.slow  # ~60 s each: every product of four generations emulated
+@pytest.mark.parametrize("epilogue", ["gates", "mix"])
+def test_flash_next_steps_take_the_product_epilogues(monkeypatch, tmp_path, epilogue):
     """A tiny Flash-Next (fp32) decoding with the row-invariant products emulated: its gated
-    residuals' gates ride their down / inject products (one launch each), and the greedy
-    tokens are those of the product then the gates' ops."""
+    residuals' gates ride their down / inject products, or (with the stream kernels, also
+    emulated) their block inputs' mix rides the up products (one launch each), and the
+    greedy tokens are those of the product then the ops / the mix launch apart."""
     import qwen38_backend
     from qwen38_backend.testing import make_tiny_weights
 
@@ -535,27 +568,34 @@ def test_flash_next_steps_take_the_gates_epilogue(monkeypatch, tmp_path):
     emulate(monkeypatch, rows_matmul)
     monkeypatch.setenv("QWEN38_ROWS_KERNEL", "force")  # its probes: the tests above
     monkeypatch.setenv("QWEN38_ROWS_EPILOGUES", "force")
+    if epilogue == "mix":
+        emulate(monkeypatch, stream_mix)
+        monkeypatch.setenv("QWEN38_STREAM_KERNEL", "force")
     path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
     prompt = [(3 * i + 5) % 200 + 2 for i in range(7)]
-    gated = []
+    fused_calls = []
     real = rows_matmul.rows_matmul
     monkeypatch.setattr(
         rows_matmul,
         "rows_matmul",
-        lambda *a, **kw: gated.append(kw.get("gates")) or real(*a, **kw),
+        lambda *a, **kw: fused_calls.append(kw.get(epilogue)) or real(*a, **kw),
     )
 
+    def reset() -> None:
+        clear_caches(rows_matmul)
+        clear_caches(stream_mix)
+
     plain, fused = greedy_off_on(
-        monkeypatch, path, prompt, "QWEN38_GATES_KERNEL", "force",
-        lambda: clear_caches(rows_matmul), 4, between=lambda: gated.append("marker"),
+        monkeypatch, path, prompt, f"QWEN38_{epilogue.upper()}_KERNEL", "force", reset, 4,
+        between=lambda: fused_calls.append("marker"),
     )  # fmt: skip
-    split = gated.index("marker")
-    assert split and not any(gated[:split])  # the kernel ran the products, no gates in them
+    split = fused_calls.index("marker")
+    assert split and not any(c is not None for c in fused_calls[:split])  # plain products
     assert fused == plain
-    gated = gated[split + 1 :]
+    fused_calls = fused_calls[split + 1 :]
     model = qwen38_backend.load(str(path), dtype="float32")
     opens = 2 * len(model.net.model.layers) + 1  # two gated residuals a layer, the read
-    assert sum(g is not None for g in gated) >= 3 * opens  # every step's, from the first
+    assert sum(c is not None for c in fused_calls) >= 3 * opens  # every step's, from the first
 
 
 @pytest.mark.slow  # ~10 s a dtype (its last change, the combine's unroll, passes here)

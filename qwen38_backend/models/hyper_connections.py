@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernel_import import kernel_module
-from ..rows import STEP_MAX_ROWS, gated_product, per_row
+from ..rows import STEP_MAX_ROWS, gated_product, mixed_product, per_row
 from .layers import can_fuse, fuse_linears, split_outputs, sum_fp32
 
 
@@ -110,6 +110,10 @@ class GatedResidual(nn.Module):
 
     def _mixed(self, normed: mx.array, gate: mx.array, kernels: ModuleType | None) -> mx.array:
         """The block input x [T, hidden] from the normed streams and the low-rank gate."""
+        if kernels is not None:  # the up product and the mix launch's bits in one launch
+            x = mixed_product(self.input_mix_weight_up, gate, normed, self.hc_count)
+            if x is not None:
+                return x
         # per_row: a verify row's products are a plain step's on the CPU (rows.py)
         up = per_row(self.input_mix_weight_up, gate)
         if kernels is None or up.dtype != normed.dtype:  # (the kernel takes one dtype)
