@@ -38,6 +38,8 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 
 def _masked(self, q, qi, positions, st, offset):
     """The attention this replaces: every stored key, masked to the query's token set."""
+    if positions is None:  # a one-row step's (attend makes them only where read)
+        positions = mx.arange(offset, offset + q.shape[2], dtype=mx.int32)
     blocks = self.select(qi, positions, st)
     L = st.kv.length
     mask = qsa.token_mask(blocks, positions, self.ratio, L)

@@ -489,14 +489,18 @@ class QSAAttention(Attention):
         k: mx.array,
         v: mx.array,
         qi: mx.array,
-        positions: mx.array,
+        positions: mx.array | None,
         st: QSAState,
         offset: int,
     ) -> mx.array:
-        """Store k/v and attend q over what the queries see: [1, Hq, T, D]."""
+        """Store k/v and attend q over what the queries see: [1, Hq, T, D]; `positions` None:
+        offset .. offset + T - 1, made only where read (a one-row step never reads them: a
+        fresh array is host work every step)."""
         T = q.shape[2]
         if (offset + T) // self.ratio <= self.n_blocks:  # every query is dense
             return st.kv.attend(q, k, v, self.scale)
+        if positions is None and T > 1:
+            positions = mx.arange(offset, offset + T, dtype=mx.int32)
         if 1 < T <= STEP_MAX_ROWS:
             # a step's rows (a speculative verify) one by one, each as its plain step
             # attends: a one-query attention's bits are not those of a query among several

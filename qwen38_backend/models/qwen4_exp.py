@@ -224,8 +224,7 @@ class Qwen4ExpBlock(nn.Module):
         at = scalars.int32(offset)  # an input: a Python int would be traced in
         R, inj, qi, raw, q, k, v, gate = compiled(self, "_attention_in")(R, at, *unclosed)
         self.self_attn.cache_keys(raw, st, compile=True)
-        positions = mx.arange(offset, offset + R.shape[0], dtype=mx.int32)
-        out = self.self_attn.attend(q, k, v, qi, positions, st, offset)
+        out = self.self_attn.attend(q, k, v, qi, None, st, offset)
         R, *unclosed = compiled(self, "_attention_out")(R, inj, out, gate)
         return R, tuple(unclosed)
 
