@@ -17,8 +17,10 @@ else stays in --dtype. The n-gram table is the scaled-down one of flash_config
 (--ngram-base 20000: 0.1 GB; the real 20M-base table is 102 GB in bf16, memory-mapped on the
 host by the loader, and a decoded token reads 16 of its rows either way).
 
-Measured, in this order, greedy with logits read back every token (the JSON is rewritten to
---out after each phase, so a call cut off at its time limit still leaves a record):
+Measured, in this order, greedy, decoded as Engine.decode decodes (--decode-loop engine: the
+next step queued before this token is read back; `sync`, this bench's loop before session 35:
+each token read back before the next step is built) (the JSON is rewritten to --out after
+each phase, so a call cut off at its time limit still leaves a record):
 - a --depth prompt prefilled and 2 tokens decoded untimed (compiles both QSA regimes and the
   decode steps);
 - prefill tok/s of the --depth prompt into a fresh state at the engine's default chunk
@@ -34,6 +36,8 @@ Measured, in this order, greedy with logits read back every token (the JSON is r
   run, the layers that chose them, whether the tokens are the default's and the first that
   is not (against the default's gap between its two largest logits at each step,
   "margins");
+- with --loops / --eager-layers, decode tok/s again per decode loop / hand-over stride, in
+  turns the same way;
 - the bytes a decoded token reads (formula in the JSON, "bytes_per_token") and its bound at
   --bandwidth-gbps (default: 4.8 TB/s on an H200, measured on the CPU), decode as % of bound;
 - prefill tok/s at the other --prefill lengths, a fresh state each; a length whose projected
@@ -56,14 +60,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_gpu_27b import decode_rate, decode_times  # noqa: E402
 from bench_qsa_depth import (  # noqa: E402
     attention_bytes,
-    decode,
     flash_config,
     greedy,
     prompt,
     random_model,
 )
+from bench_qsa_depth import decode as sync_decode  # noqa: E402
 from common import environment, peak_bandwidth, write_json  # noqa: E402
 
 START = time.perf_counter()
@@ -146,44 +151,96 @@ def timed_prefill(model, ids: list[int], chunk: int, kv: dict) -> tuple[float, o
     return len(ids) / (time.perf_counter() - t), state, last
 
 
+def engine_decode(model, state, first: int, n: int) -> tuple[float, list[int], None]:
+    """(tok/s, tokens, None): `first` fed, then n greedy tokens as users get them
+    (Engine.decode: the next step queued before this token is read back, which for
+    Flash-Next overlaps the next step's layers before its PLE layer with this one's tail);
+    tok/s over the n - 1 steps after the first token (n forwards, as sync_decode's)."""
+    import mlx.core as mx
+
+    logits = model.forward([first], state, last_only=True)
+    mx.eval(logits)
+    tokens: list[int] = []
+    times = decode_times(model, state, logits, n, tokens)
+    return decode_rate(times), tokens, None
+
+
+# How the bench decodes (--decode-loop): as the engine does, or each step read back before
+# the next is built (this bench's loop until session 35: its figures before then are that)
+LOOPS = {"engine": engine_decode, "sync": sync_decode}
+
+
+def decode(args, model, state, first: int, n: int | None = None) -> tuple:
+    """(tok/s, tokens, ...) of n (default --decode) greedy tokens after `first`, decoded by
+    the --decode-loop."""
+    return LOOPS[args.decode_loop](model, state, first, n or args.decode)
+
+
 def decode_runs(args, model, state, first: int) -> tuple[list[float], list[list[int]]]:
     """--runs timed decodes of --decode tokens from the --depth prompt (each rewinds to it):
     (tok/s of each, tokens of each)."""
     runs, tokens = [], []
     for _ in range(args.runs):
-        tps, toks, _ = decode(model, state, first, args.decode)
+        tps, toks, _ = decode(args, model, state, first)
         runs.append(tps)
         tokens.append(toks)
         state.truncate(args.depth)
     return runs, tokens
 
 
-def by_stride(args, model, state, first: int, want: list[int], bound: float) -> dict:
-    """Decode tok/s (median of --runs) per hand-over stride: how often a step gives the
-    layers built so far to the device (SequenceState.eager_layers; PLE's read-back of the
-    token ids makes a step wait for the previous one, so the rest is built after it). The
-    strides take turns, one run each per round, as the step-kernel sets do: within one call
-    the machine's speed drifts by more than a stride changes it (session 30)."""
-    strides = args.eager_layers.split(",")
-    runs = {s: [] for s in strides}
-    tokens = {s: [] for s in strides}
+def in_turns(args, names: list[str], choose, model, state, first: int, want, bound) -> dict:
+    """Decode tok/s (median of --runs) for each of `names`, choose(name) setting it up: the
+    names take turns, one run each per round, as the step-kernel sets do (within one call
+    the machine's speed drifts by more than a setting changes it: session 30)."""
+    runs = {name: [] for name in names}
+    tokens = {name: [] for name in names}
     for _ in range(args.runs):
-        for stride in strides:
-            os.environ["QWEN38_EAGER_LAYERS"] = stride
-            tps, toks, _ = decode(model, state, first, args.decode)
+        for name in names:
+            choose(name)
+            tps, toks, _ = decode(args, model, state, first)
             state.truncate(args.depth)
-            runs[stride].append(tps)
-            tokens[stride].append(toks)
-    os.environ.pop("QWEN38_EAGER_LAYERS", None)
-    out = {}
-    for stride in strides:
-        median = statistics.median(runs[stride])
-        out[stride] = {
-            "tokens_per_second": {"median": median, "runs": runs[stride]},
-            "percent_of_bound": 100 * median / bound,
-            "identical_to_default": all(t == want for t in tokens[stride]),
+            runs[name].append(tps)
+            tokens[name].append(toks)
+    return {
+        name: {
+            "tokens_per_second": {"median": statistics.median(runs[name]), "runs": runs[name]},
+            "percent_of_bound": 100 * statistics.median(runs[name]) / bound,
+            "identical_to_default": all(t == want for t in tokens[name]),
         }
-        log(f"decode, hand-over stride {stride}: {median:.2f} tok/s")
+        for name in names
+    }
+
+
+def by_stride(args, model, state, first: int, want: list[int], bound: float) -> dict:
+    """Decode tok/s per hand-over stride: how often a step gives the layers built so far to
+    the device (SequenceState.eager_layers; PLE's read-back of the token ids makes a step
+    wait for the previous one, so the rest is built after it), in turns."""
+    strides = args.eager_layers.split(",")
+    out = in_turns(
+        args,
+        strides,
+        lambda stride: os.environ.__setitem__("QWEN38_EAGER_LAYERS", stride),
+        model,
+        state,
+        first,
+        want,
+        bound,
+    )
+    os.environ.pop("QWEN38_EAGER_LAYERS", None)
+    for stride, v in out.items():
+        log(f"decode, hand-over stride {stride}: {v['tokens_per_second']['median']:.2f} tok/s")
+    return out
+
+
+def by_loop(args, loops: list[str], model, state, first: int, want, bound: float) -> dict:
+    """Decode tok/s per decode loop (LOOPS: the engine's pipelined one, or each token read
+    back before the next step is built), in turns."""
+    default = args.decode_loop
+    choose = lambda loop: setattr(args, "decode_loop", loop)  # noqa: E731
+    out = in_turns(args, loops, choose, model, state, first, want, bound)
+    args.decode_loop = default
+    for loop, v in out.items():
+        log(f"decode, {loop} loop: {v['tokens_per_second']['median']:.2f} tok/s")
     return out
 
 
@@ -295,9 +352,9 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
     for _ in range(args.runs):
         for variant, chosen in variants.items():
             switch_step_kernels(model, chosen)
-            decode(model, state, first, 2)  # decides and traces the steps again
+            decode(args, model, state, first, 2)  # decides and traces the steps again
             state.truncate(args.depth)
-            tps, toks, _ = decode(model, state, first, args.decode)
+            tps, toks, _ = decode(args, model, state, first)
             state.truncate(args.depth)
             runs[variant].append(tps)
             tokens[variant].append(toks)
@@ -364,13 +421,28 @@ def main() -> None:
         "off,route+stream,route+stream+expert): decode tok/s with each switched on (auto), "
         "the same weights and prompt, after the default",
     )
+    ap.add_argument(
+        "--decode-loop",
+        default="engine",
+        choices=sorted(LOOPS),
+        help="engine: as Engine.decode (pipelined); sync: each token read back first",
+    )
+    ap.add_argument(
+        "--loops",
+        default=None,
+        help="comma list of decode loops (engine, sync): decode tok/s with each, after the "
+        "default, taking turns",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lengths = [int(x) for x in args.prefill.split(",") if x]
     if args.layers < 2:
         ap.error("--layers: at least 2 (the PLE layer is the 2nd)")
-    if min([args.depth, args.decode, args.runs, *lengths]) < 1:
-        ap.error("--depth, --decode, --runs and --prefill must be positive")
+    if min([args.depth, args.runs, *lengths]) < 1 or args.decode < 2:
+        ap.error("--depth, --runs and --prefill must be positive, --decode at least 2")
+    loops = args.loops.split(",") if args.loops else []
+    if set(loops) - set(LOOPS):
+        ap.error(f"--loops: unknown {sorted(set(loops) - set(LOOPS))}; choose from {sorted(LOOPS)}")
 
     import mlx.core as mx
 
@@ -421,7 +493,7 @@ def main() -> None:
     # the depth prompt once untimed: compiles prefill (both QSA regimes) and the decode steps
     t = time.perf_counter()
     _, warm, last = timed_prefill(model, prompt(args.depth, vocab), chunk, kv)
-    decode(model, warm, greedy(last), 2)
+    decode(args, model, warm, greedy(last), 2)
     del warm
     result["warmup_seconds"] = time.perf_counter() - t
     log(f"warm-up {result['warmup_seconds']:.1f}s")
@@ -449,6 +521,9 @@ def main() -> None:
     result["bytes_per_token"] = reads
     result["decode_bound_tokens_per_second"] = bound
     result["decode_percent_of_bound"] = 100 * median / bound
+    result["decode"]["loop"] = args.decode_loop
+    if loops:
+        result["decode_by_loop"] = by_loop(args, loops, model, state, first, outs[0], bound)
     if args.eager_layers:
         result["decode_by_eager_layers"] = by_stride(args, model, state, first, outs[0], bound)
     if args.step_kernels:

@@ -160,18 +160,21 @@ def random_model(
     return Model(net, read, dtype, name="27b-random", group=group), config, nbytes
 
 
-def decode_times(model, state, logits, n: int) -> list[float]:
+def decode_times(model, state, logits, n: int, tokens: list[int] | None = None) -> list[float]:
     """Wall seconds to each of n greedy tokens decoded after the prefill's last `logits`, as
     generation decodes after a prompt (times[0]: sampling the first token; each later one a
-    decode step). Feeding that first token through Model.run instead would prefill it: a
-    prompt row attends densely, which reads every spilled page of a capped pool once."""
+    decode step); `tokens` gets the tokens. Feeding that first token through Model.run
+    instead would prefill it: a prompt row attends densely, which reads every spilled page of
+    a capped pool once."""
     from qwen38_backend.generation import GenerationStats
     from qwen38_backend.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=n, stop_token_ids=[])
     times, t = [], time.perf_counter()
-    for _ in model.decode(logits, state, params, GenerationStats()):
+    for token in model.decode(logits, state, params, GenerationStats()):
         now = time.perf_counter()
+        if tokens is not None:
+            tokens.append(token)
         times.append(now - t)
         t = now
     return times
