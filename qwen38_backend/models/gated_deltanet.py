@@ -342,12 +342,11 @@ class GatedDeltaNet(nn.Module):
 
 def decode_step(
     block: nn.Module, h: mx.array, state: GatedDeltaNetState, *carried, outputs: int = 1
-):
+) -> tuple[mx.array, ...]:
     """A step of a few rows through a block whose `_linear_step(h, *carried, conv,
     recurrent)` runs its Gated DeltaNet mixer `block.linear_attn` (and whatever surrounds
     it) as one compiled graph, returning its `outputs` outputs, then what
-    GatedDeltaNetState.advance takes; advances `state`. Returns h (outputs 1) or the list of
-    the outputs."""
+    GatedDeltaNetState.advance takes; advances `state`. Returns the `outputs` outputs."""
     mixer = block.linear_attn
     # the step's dtype is the model's (its conv weights'): h may come wider from the block
     # before (layers.residual_step)
@@ -356,7 +355,7 @@ def decode_step(
     mixer.prepare_decode(dtype)  # outside the trace: the kernel probe runs ops
     results = compiled(block, "_linear_step")(h, *carried, conv, recurrent)
     state.advance(*results[outputs:])
-    return results[0] if outputs == 1 else results[:outputs]
+    return tuple(results[:outputs])
 
 
 def _row(states: mx.array, i: int) -> mx.array:

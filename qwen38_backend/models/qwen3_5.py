@@ -79,7 +79,8 @@ class Qwen35Block(PreNormBlock):
 
     def decode_linear(self, h: mx.array, state: GatedDeltaNetState) -> mx.array:
         """A step of a few rows through a Gated DeltaNet block: one compiled graph."""
-        return decode_step(self, h, state)
+        (h,) = decode_step(self, h, state)
+        return h
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
         mixer = self.linear_attn
