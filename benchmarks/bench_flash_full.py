@@ -26,7 +26,8 @@ each phase, so a call cut off at its time limit still leaves a record):
 - prefill tok/s of the --depth prompt into a fresh state at the engine's default chunk
   (Model.prefill, Model.prefill_chunk unless --chunk), then decode tok/s over --decode tokens
   from it, median of --runs (each run rewinds to the prompt through a save point; every run
-  must decode the same tokens);
+  must decode the same tokens), with the host's CPU ms a token (this thread's CPU time: a
+  run slower in wall time but not in CPU time was held up, e.g. by the machine);
 - with --step-kernels, decode tok/s again for each set of Flash-Next's step kernels switched
   on (routing, stream mixes, routed experts, QSA's selection: kernels/moe_route.py,
   stream_mix.py, expert_qmv.py, top_select.py; "qk": QSA's q/k norms and RoPE,
@@ -170,22 +171,33 @@ def engine_decode(model, state, first: int, n: int) -> tuple[float, list[int], N
 LOOPS = {"engine": engine_decode, "sync": sync_decode}
 
 
-def decode(args, model, state, first: int, n: int | None = None) -> tuple:
-    """(tok/s, tokens, ...) of n (default --decode) greedy tokens after `first`, decoded by
-    the --decode-loop."""
-    return LOOPS[args.decode_loop](model, state, first, n or args.decode)
+def decode(args, model, state, first: int, n: int | None = None) -> tuple[float, list, float]:
+    """(tok/s, tokens, the host's CPU ms a token) of n (default --decode) greedy tokens after
+    `first`, decoded by the --decode-loop. The CPU time is this thread's (Python and MLX's
+    encoding of the launches, which run on the caller) over the whole decode / n: where
+    tok/s varies from run to run and it does not, the host was held up, not busier."""
+    n = n or args.decode
+    cpu = time.thread_time()
+    tps, tokens, _ = LOOPS[args.decode_loop](model, state, first, n)
+    return tps, tokens, 1e3 * (time.thread_time() - cpu) / n
 
 
-def decode_runs(args, model, state, first: int) -> tuple[list[float], list[list[int]]]:
+def spread(values: list[float]) -> dict:
+    """{"median", "runs"} of per-run figures."""
+    return {"median": statistics.median(values), "runs": values}
+
+
+def decode_runs(args, model, state, first: int) -> tuple[list[float], list[list[int]], list]:
     """--runs timed decodes of --decode tokens from the --depth prompt (each rewinds to it):
-    (tok/s of each, tokens of each)."""
-    runs, tokens = [], []
+    (tok/s of each, tokens of each, host CPU ms a token of each)."""
+    runs, tokens, cpus = [], [], []
     for _ in range(args.runs):
-        tps, toks, _ = decode(args, model, state, first)
+        tps, toks, cpu = decode(args, model, state, first)
         runs.append(tps)
         tokens.append(toks)
+        cpus.append(cpu)
         state.truncate(args.depth)
-    return runs, tokens
+    return runs, tokens, cpus
 
 
 def in_turns(args, names: list[str], choose, model, state, first: int, want, bound) -> dict:
@@ -194,16 +206,19 @@ def in_turns(args, names: list[str], choose, model, state, first: int, want, bou
     the machine's speed drifts by more than a setting changes it: session 30)."""
     runs = {name: [] for name in names}
     tokens = {name: [] for name in names}
+    cpus = {name: [] for name in names}
     for _ in range(args.runs):
         for name in names:
             choose(name)
-            tps, toks, _ = decode(args, model, state, first)
+            tps, toks, cpu = decode(args, model, state, first)
             state.truncate(args.depth)
             runs[name].append(tps)
             tokens[name].append(toks)
+            cpus[name].append(cpu)
     return {
         name: {
-            "tokens_per_second": {"median": statistics.median(runs[name]), "runs": runs[name]},
+            "tokens_per_second": spread(runs[name]),
+            "host_cpu_ms_per_token": spread(cpus[name]),
             "percent_of_bound": 100 * statistics.median(runs[name]) / bound,
             "identical_to_default": all(t == want for t in tokens[name]),
         }
@@ -347,6 +362,7 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
         variants[variant] = chosen
     runs = {v: [] for v in variants}
     tokens = {v: [] for v in variants}
+    cpus = {v: [] for v in variants}
     chose = {}
     layers = model.net.model.layers
     for _ in range(args.runs):
@@ -354,10 +370,11 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
             switch_step_kernels(model, chosen)
             decode(args, model, state, first, 2)  # decides and traces the steps again
             state.truncate(args.depth)
-            tps, toks, _ = decode(args, model, state, first)
+            tps, toks, cpu = decode(args, model, state, first)
             state.truncate(args.depth)
             runs[variant].append(tps)
             tokens[variant].append(toks)
+            cpus[variant].append(cpu)
             chose[variant] = {
                 "route": sum(bool(layer.mlp._route_for) for layer in layers),
                 "expert": sum(bool(layer.mlp._kernel_for) for layer in layers),
@@ -376,6 +393,7 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
         median = statistics.median(runs[variant])
         out[variant] = {
             "tokens_per_second": {"median": median, "runs": runs[variant]},
+            "host_cpu_ms_per_token": spread(cpus[variant]),
             "percent_of_bound": 100 * median / bound,
             "runs_identical": all(t == tokens[variant][0] for t in tokens[variant]),
             "same_tokens_as_default": tokens[variant][0] == want,
@@ -503,7 +521,7 @@ def main() -> None:
     log(f"prefill {args.depth}: {tps:.1f} tok/s")
     first = greedy(last)
     state.save_point()
-    runs, outs = decode_runs(args, model, state, first)
+    runs, outs, cpus = decode_runs(args, model, state, first)
     reads = bytes_per_token(model, state, args.depth, parts)
     median = statistics.median(runs)
     bound = bandwidth / reads["total"]
@@ -512,6 +530,7 @@ def main() -> None:
         "depth": args.depth,
         "tokens": args.decode,
         "tokens_per_second": {"median": median, "runs": runs},
+        "host_cpu_ms_per_token": spread(cpus),
         "runs_identical": all(o == outs[0] for o in outs),
         "decoded": outs[0],
         "margins": greedy_margins(model, state, first, args.decode),
