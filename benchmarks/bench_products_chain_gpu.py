@@ -71,14 +71,19 @@ def gemv_chain(ws: list[list[mx.array]], x: mx.array) -> mx.array:
     return x
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def chain_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options of a chain's timing (this bench's, and its variants' probe)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--inner", type=int, default=4, help="chains queued per evaluation")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5, help="evaluations per run (median)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = chain_arguments(__doc__).parse_args()
 
     ws = weights(args.layers)
     nbytes = sum(w.nbytes for layer in ws for w in layer)

@@ -22,7 +22,6 @@ the weights' TB/s, and the output's largest difference from base's.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -32,7 +31,7 @@ import mlx.core as mx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_products_chain_gpu import SHAPES, chain, weights  # noqa: E402
+from bench_products_chain_gpu import SHAPES, chain, chain_arguments, weights  # noqa: E402
 from common import environment, write_json  # noqa: E402
 from probe_step_graph import queued_device_s  # noqa: E402
 
@@ -75,13 +74,8 @@ def variant(name: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--inner", type=int, default=4, help="chains queued per evaluation")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=5, help="evaluations per run (median)")
+    ap = chain_arguments(__doc__)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     names = args.variants.split(",")
     unknown = set(names) - set(VARIANTS)

@@ -1058,33 +1058,17 @@ def test_step_qk_kernel_keeps_the_greedy_tokens(tmp_path, monkeypatch, arch):
     assert all(chose["auto"]), chose
 
 
-def test_gates_epilogue_keeps_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("epilogue", ["gates", "mix"])
+def test_product_epilogues_keep_flash_next_steps_bit_for_bit(tmp_path, monkeypatch, epilogue):
     """A bf16 tiny Flash-Next decoding with its gated residuals' gates in the down / inject
-    products' epilogue (kernels/rows_matmul.py, GATES) picks the same greedy tokens with the
-    same logits, bit for bit, as with the product and the gates apart; its steps ran it."""
+    products' epilogue (kernels/rows_matmul.py, GATES), or their block inputs mixed in the up
+    products' (MIX), picks the same greedy tokens with the same logits, bit for bit, as with
+    the product and the gates' ops / the stream kernels' mix launch apart; its steps ran it."""
     from qwen38_backend.kernels import rows_matmul as kernel
 
-    calls = _count_calls(monkeypatch, kernel, "rows_matmul", lambda *_, **kw: "gates" in kw)
-    tokens, logits, _ = _decode_with(
-        tmp_path, monkeypatch, "QWEN38_GATES_KERNEL", kernel, "qwen4_exp"
-    )
-    assert any(calls)
-    assert tokens["auto"] == tokens["off"]
-    for a, b in zip(logits["auto"], logits["off"], strict=True):
-        assert mx.array_equal(a, b).item()
-
-
-def test_mix_epilogue_keeps_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
-    """A bf16 tiny Flash-Next decoding with its gated residuals' block inputs mixed in the up
-    products' epilogue (kernels/rows_matmul.py, MIX) picks the same greedy tokens with the
-    same logits, bit for bit, as with the product and the stream kernels' mix launch apart;
-    its steps ran it."""
-    from qwen38_backend.kernels import rows_matmul as kernel
-
-    calls = _count_calls(monkeypatch, kernel, "rows_matmul", lambda *_, **kw: "mix" in kw)
-    tokens, logits, _ = _decode_with(
-        tmp_path, monkeypatch, "QWEN38_MIX_KERNEL", kernel, "qwen4_exp"
-    )
+    calls = _count_calls(monkeypatch, kernel, "rows_matmul", lambda *_, **kw: epilogue in kw)
+    switch = f"QWEN38_{epilogue.upper()}_KERNEL"
+    tokens, logits, _ = _decode_with(tmp_path, monkeypatch, switch, kernel, "qwen4_exp")
     assert any(calls)
     assert tokens["auto"] == tokens["off"]
     for a, b in zip(logits["auto"], logits["off"], strict=True):
