@@ -371,11 +371,11 @@ def gated_product(linear, x: mx.array, low_rank: int, streams: int) -> mx.array 
     the first `low_rank` columns, 2 sigmoid(y / streams) in the rest, the bits of the product
     then the gates' ops; None where this forward's plan does not run the kernel for these
     operands or the epilogue did not pass its probe (the caller runs the gates apart)."""
-    weight, bias = _kernel_weight(linear, x)
-    if weight is None or bias is not None or x.ndim != 2:
-        return None
+    weight = _unbiased_weight(linear, x)
     kernels = kernel_module("rows_matmul")
-    if not kernels.gates_available(weight.dtype) or not kernels.fits(x, weight, gates=True):
+    if weight is None or not kernels.gates_available(weight.dtype):
+        return None
+    if not kernels.fits(x, weight, gates=True):
         return None
     return kernels.rows_matmul(x, weight, gates=(low_rank, streams))
 
@@ -386,14 +386,21 @@ def mixed_product(linear, x: mx.array, streams: mx.array, count: int) -> mx.arra
     (kernels/rows_matmul.py, MIX): [T, H], the bits of the product then the stream kernels'
     mix launch; None where this forward's plan does not run the kernel for these operands or
     the epilogue did not pass its probe (the caller mixes apart)."""
-    weight, bias = _kernel_weight(linear, x)
-    if weight is None or bias is not None or x.ndim != 2:
-        return None
+    weight = _unbiased_weight(linear, x)
     kernels = kernel_module("rows_matmul")
     mix = (streams, count)
-    if not kernels.mix_available(weight.dtype) or not kernels.fits(x, weight, mix=mix):
+    if weight is None or not kernels.mix_available(weight.dtype):
+        return None
+    if not kernels.fits(x, weight, mix=mix):
         return None
     return kernels.rows_matmul(x, weight, mix=mix)
+
+
+def _unbiased_weight(linear, x: mx.array) -> mx.array | None:
+    """linear's dense weight where this forward's plan runs the kernel for x's 2-D rows and
+    linear has no bias (what the product epilogues take), else None."""
+    weight, bias = _kernel_weight(linear, x)
+    return weight if weight is not None and bias is None and x.ndim == 2 else None
 
 
 def _normed_product(
@@ -408,10 +415,10 @@ def _normed_product(
     epilogues as _kernel_product takes them) where this forward's plan runs the kernel, the
     prologue passed its probe and takes this norm (zero-centred: an fp32 scale) and these
     operands (2-D rows, a dense weight of the kernel's dtype, no bias), else None."""
-    if x.ndim != 2 or not getattr(norm, "zero_centered", False):
+    if not getattr(norm, "zero_centered", False):
         return None
-    weight, bias = _kernel_weight(linear, x)
-    if weight is None or bias is not None:
+    weight = _unbiased_weight(linear, x)
+    if weight is None:
         return None
     kernels = kernel_module("rows_matmul")
     scale = norm.scale()
