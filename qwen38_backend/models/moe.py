@@ -281,9 +281,8 @@ class SparseMoE(nn.Module):
             return kernel.routed_sum(*args, shared=(gate, se(x)))
         return weighted_experts(self.experts, x, inds, weights) + self._shared(x, gate)
 
-    def _shared(self, x: mx.array, gate: mx.array | None = None) -> mx.array:
-        """The gated shared expert; `gate`: its gate logit where `logits` gave it."""
-        gate = self.logits(x)[1] if gate is None else gate
+    def _shared(self, x: mx.array, gate: mx.array) -> mx.array:
+        """The gated shared expert; `gate`: its gate logit (`logits`' second output)."""
         return mx.sigmoid(gate) * self.shared_expert(x)
 
     def _local_experts(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
