@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from qwen38_backend.kernels import decode_attention, rows_matmul
+from qwen38_backend.kernels.grid_sync import GRID_BARRIER
 
 HEADER = r"""
 #include <cmath>
@@ -32,14 +33,23 @@ HEADER = r"""
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <atomic>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 #include <ucontext.h>
 
+// EMU_TLS: thread_local where the blocks run at once (a kernel with a grid barrier: each
+// block on its own OS thread, so its shared memory and fibers are its own), else nothing
+#ifndef EMU_TLS
+#define EMU_TLS
+#endif
+
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __shared__ static
+#define __shared__ static EMU_TLS
 #define __align__(n) __attribute__((aligned(n)))
 
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
@@ -101,12 +111,13 @@ struct EmuFiber {
   int wait = 0;
   bool done = false;
 };
-static std::vector<EmuFiber> emu_fibers;
-static std::vector<uint64_t> emu_slots;
-static int emu_current = 0;
-static ucontext_t emu_main;
+static EMU_TLS std::vector<EmuFiber> emu_fibers;
+static EMU_TLS std::vector<uint64_t> emu_slots;
+static EMU_TLS int emu_current = 0;
+static EMU_TLS ucontext_t emu_main;
 static std::function<void()> emu_body;
-dim3_ blockDim, gridDim, blockIdx;
+dim3_ blockDim, gridDim;
+EMU_TLS dim3_ blockIdx;
 
 inline const dim3_& emu_thread_idx() { return emu_fibers[emu_current].idx; }
 #define threadIdx emu_thread_idx()
@@ -139,12 +150,23 @@ template <typename V> V __shfl_up_sync(unsigned, V v, unsigned delta) {
   const int t = emu_current;
   return emu_shuffle(v, (t & 31) >= int(delta) ? t - int(delta) : t);
 }
-// fibers switch only at barriers, so a plain read-modify-write is atomic here
+// fibers switch only at barriers, but the blocks of a grid-barrier kernel are OS threads
+static std::mutex emu_atomic;
 template <typename V> V atomicAdd(V* at, V v) {
+  std::lock_guard<std::mutex> hold(emu_atomic);
   const V old = *at;
   *at = old + v;
   return old;
 }
+template <typename V> V atomicExch(V* at, V v) {
+  std::lock_guard<std::mutex> hold(emu_atomic);
+  const V old = *at;
+  *at = v;
+  return old;
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+template <typename V> inline V __ldcg(const V* at) { return *at; }
 
 static void emu_entry() {
   emu_body();
@@ -202,20 +224,34 @@ static void emu_run_block(int n, std::vector<std::vector<char>>& stacks) {
   }
 }
 
+static EMU_TLS std::vector<std::vector<char>> emu_stacks;  // kept from block to block
+
+static void emu_block(dim3_ at, int n) {
+  blockIdx = at;
+  emu_fibers.assign(n, EmuFiber{});
+  emu_slots.assign(n, 0);
+  if (int(emu_stacks.size()) != n) emu_stacks.assign(n, std::vector<char>(64 * 1024));
+  emu_run_block(n, emu_stacks);
+}
+
+// One block after another, or (EMU_GRID: a kernel that waits for the whole grid) every block
+// at once, each on its own OS thread
 template <typename F> void emu_launch(F body, dim3_ grid, dim3_ block) {
   gridDim = grid;
   blockDim = block;
   const int n = block.x * block.y * block.z;
-  emu_fibers.assign(n, EmuFiber{});
-  emu_slots.assign(n, 0);
-  std::vector<std::vector<char>> stacks(n, std::vector<char>(64 * 1024));
   emu_body = body;
+  std::vector<std::thread> blocks;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = {x, y, z};
-        emu_run_block(n, stacks);
+#ifdef EMU_GRID
+        blocks.emplace_back(emu_block, dim3_{x, y, z}, n);
+#else
+        emu_block(dim3_{x, y, z}, n);
+#endif
       }
+  for (auto& b : blocks) b.join();
 }
 """
 
@@ -324,12 +360,21 @@ class EmulatedKernel:
             header = header.replace(issued, landed)
         # dynamic shared memory: a static buffer of the launch's size
         self.source = DYNAMIC_SHARED.sub(
-            rf"static __align__(16) unsigned char \2[{max(shared_memory, 16)}];", source
+            rf"static EMU_TLS __align__(16) unsigned char \2[{max(shared_memory, 16)}];", source
         )
         self.header = header
 
     def __call__(
-        self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(), **_
+        self,
+        *,
+        inputs,
+        grid,
+        threadgroup,
+        output_shapes,
+        output_dtypes,
+        template=(),
+        init_value=None,
+        **_,
     ) -> list[mx.array]:
         arrays = [mx.contiguous(a) for a in inputs]  # MLX copies to row-contiguous too
         params, args, keep = [], [], []
@@ -350,17 +395,23 @@ class EmulatedKernel:
                 args.append(f"(const int64_t*)p[{len(keep) - 1}]")
         outs = []
         for name, shape, dtype in zip(self.outputs, output_shapes, output_dtypes, strict=True):
-            # unwritten elements read as NaN (floats) or all ones (integers)
+            # unwritten elements read as NaN (floats) or all ones (integers), unless the
+            # launch fills its outputs first (init_value), as MLX then does
             raw = _np_dtype(_RAW.get(dtype, dtype))
             out = np.full(int(np.prod(shape)) * dtype.size, 0xFF, np.uint8).view(raw)
             out = out.reshape(shape)
+            if init_value is not None:
+                out = np.array(mx.full(shape, init_value, dtype).view(_RAW.get(dtype, dtype)))
             outs.append((out, dtype))
             keep.append(out)
             params.append(f"{C_TYPES[dtype]}* {name}")
             args.append(f"({C_TYPES[dtype]}*)p[{len(keep) - 1}]")
         constants = "\n".join(_constant(n, v) for n, v in template)
+        # a kernel that waits for the whole grid runs its blocks at once (see HEADER)
+        grid_mode = GRID_BARRIER in self.header
         source = "\n".join(
             [
+                "#define EMU_GRID\n#define EMU_TLS thread_local" if grid_mode else "",
                 HEADER,
                 MLX_OPS if MLX_INCLUDE in self.header else "",
                 "\n".join(ln for ln in self.header.splitlines() if MLX_INCLUDE not in ln),

@@ -19,6 +19,7 @@ from qwen38_backend.kernels import (
     expert_qmv,
     gdn_decode,
     gdn_prefill,
+    grid_sync,
     jit,
     moe_route,
     qk_norm_rope,
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.nvcc
 MODULES = (
     decode_attention,
     expert_qmv,
+    grid_sync,
     gdn_decode,
     gdn_prefill,
     moe_route,
@@ -52,6 +54,9 @@ FACTORIES = (
     gdn_decode._kernel,
     gdn_prefill._scan_kernel,
     gdn_prefill._solve_kernel,
+    grid_sync._chain_kernel,
+    grid_sync._phase_kernel,
+    grid_sync._sms_kernel,
     moe_route._kernel,
     qk_norm_rope._kernel,
     top_select._kernel,
@@ -316,3 +321,27 @@ def test_stream_mix_compiles(recorded, tmp_path, dtype):
         template = [("T", dtype), ("H", 2560), ("S", 4), ("L", 320)]
         template.append(("INJ", 4 if name.endswith("_inject") else 0))
         compiles(tmp_path, kernel, types, template)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_grid_sync_kernels_compile(recorded, tmp_path, dtype):
+    grid_sync._chain_kernel()
+    grid_sync._phase_kernel()
+    grid_sync._sms_kernel()
+    t = C_TYPES[dtype]
+    for name, kernel in recorded.items():
+        types = {n: t for n in kernel["inputs"] + kernel["outputs"]}
+        types.update(
+            barrier="uint32_t", sms="uint32_t", x=t if name != "qwen38_grid_sms" else "float"
+        )
+        template = [("T", dtype)]
+        if name == "qwen38_grid_chain":  # the low-rank pair's shapes, work and barriers alone
+            for work in (True, False):
+                compiles(
+                    tmp_path,
+                    kernel,
+                    types,
+                    [*template, ("P", 8), ("N", 320), ("K", 10240), ("WORK", work)],
+                )
+        else:
+            compiles(tmp_path, kernel, types, template)
