@@ -5,10 +5,13 @@ body) every time it encodes a launch (CustomKernel::eval_gpu), and builds that s
 every call from Python. On the H200's host that hash was ~40% of a launch's encode, ~1 ms of
 a 64-layer 27B decode step (py-spy, benchmarks/results/h200/pyspy_decode_64l_4k_folded.json):
 a kernel's source length is host time per token. The compacted text compiles to the same
-code (only comments and whitespace go; line breaks stay for the preprocessor).
+code (only comments and whitespace go; line breaks stay for the preprocessor). A kernel's
+name carries a digest of its text, so MLX's compiled-kernel cache never serves an old one.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import mlx.core as mx
 import numpy as np
@@ -41,9 +44,25 @@ def _without_comment(line: str) -> str:
     return line
 
 
-def cuda_kernel(*, source: str, header: str = "", **options):
-    """mx.fast.cuda_kernel(source=..., header=..., **options) with both compacted."""
-    return mx.fast.cuda_kernel(source=compact(source), header=compact(header), **options)
+def cuda_kernel(*, name: str, source: str, header: str = "", **options):
+    """mx.fast.cuda_kernel(name=..., source=..., header=..., **options) with both compacted
+    and the name made unique to them (`versioned`)."""
+    source, header = compact(source), compact(header)
+    names = (options.get("input_names", ()), options.get("output_names", ()))
+    return mx.fast.cuda_kernel(
+        name=versioned(name, source, header, *names), source=source, header=header, **options
+    )
+
+
+def versioned(name: str, source: str, header: str, inputs=(), outputs=()) -> str:
+    """`name` with a digest of the kernel's text appended.
+
+    Why: MLX compiles a custom kernel once per name (and template arguments) and keeps the
+    result on disk under that name (MLX_PTX_CACHE_DIR, which loading.paths keeps across
+    runs), so a kernel whose text changed under the same name would run its old compiled
+    code, silently, after an upgrade (or in a benchmark carrying an earlier cache)."""
+    text = "\0".join([source, header, ",".join(inputs), ",".join(outputs)])
+    return f"{name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def float32_literal(value: float) -> str:

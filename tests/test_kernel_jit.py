@@ -63,3 +63,34 @@ def test_our_kernel_sources_keep_every_token():
         # preprocessor directives keep a line of their own
         assert all(line.startswith("#") for line in short.splitlines() if "#pragma" in line)
         assert len(short) < len(source), name
+
+
+def test_a_kernel_name_changes_with_its_text(monkeypatch):
+    """MLX keeps compiled kernels by name on disk: the name given to MLX carries a digest of
+    the compacted text, so an edited source (or header, or argument list) gets a new name,
+    while an edit of comments or blanks alone keeps it."""
+    import mlx.core as mx
+    from qwen38_backend.kernels import jit
+
+    given = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **options: given.append(options["name"]))
+    body = "    out[0] = x[0];  // copy\n"
+    base = {
+        "name": "k",
+        "input_names": ["x"],
+        "output_names": ["out"],
+        "header": "",
+        "source": body,
+    }
+    for options in (
+        base,
+        {**base, "source": "out[0] = x[0];\n\n"},  # the same text once compacted
+        {**base, "source": "out[0] = 2 * x[0];"},
+        {**base, "header": "#define TWO 2"},
+        {**base, "input_names": ["y"]},
+        {**base, "name": "other"},
+    ):
+        jit.cuda_kernel(**options)
+    assert given[0] == given[1]
+    assert re.fullmatch(r"k_[0-9a-f]{12}", given[0])
+    assert len(set(given[1:])) == 5

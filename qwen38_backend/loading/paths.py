@@ -11,6 +11,8 @@ MLX's CUDA backend compiles the fused kernels of compiled graphs (and our custom
 their first use and keeps them in a PTX cache, by default under /tmp (gone at reboot: measured
 on an H200, a cold cache cost a 64-layer prefill tens of seconds). Unless MLX_PTX_CACHE_DIR
 is set, qwen38 keeps that cache in its own cache directory, one folder per MLX version.
+MLX finds a kernel there by name alone, so our kernels' names carry a digest of their text
+(kernels/jit.py): an upgraded kernel compiles anew instead of running its old code.
 """
 
 from __future__ import annotations
