@@ -12,6 +12,9 @@ name carries a digest of its text, so MLX's compiled-kernel cache never serves a
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import mlx.core as mx
 import numpy as np
@@ -44,14 +47,44 @@ def _without_comment(line: str) -> str:
     return line
 
 
-def cuda_kernel(*, name: str, source: str, header: str = "", **options):
+def cuda_kernel(*, name: str, source: str, header: str = "", **options) -> Kernel:
     """mx.fast.cuda_kernel(name=..., source=..., header=..., **options) with both compacted
-    and the name made unique to them (`versioned`)."""
+    and the name made unique to them (`versioned`), as a Kernel."""
     source, header = compact(source), compact(header)
     names = (options.get("input_names", ()), options.get("output_names", ()))
-    return mx.fast.cuda_kernel(
-        name=versioned(name, source, header, *names), source=source, header=header, **options
-    )
+    name = versioned(name, source, header, *names)
+    return Kernel(dict(name=name, source=source, header=header, **options))
+
+
+class Kernel:
+    """A custom kernel: its spec (what mx.fast.cuda_kernel takes) and, made at its first
+    launch, MLX's kernel. Launched as MLX's is; while a capture is active (`capturing`), a
+    launch is handed to it instead (kernels/fused.py composes several into one)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self._kernel = None
+
+    def __call__(self, **call) -> list[mx.array]:
+        capture = _CAPTURE.get()
+        if capture is not None:
+            return capture(self, call)
+        if self._kernel is None:  # made on first use: MLX refuses it without a CUDA backend
+            self._kernel = mx.fast.cuda_kernel(**self.spec)
+        return self._kernel(**call)
+
+
+_CAPTURE: ContextVar = ContextVar("qwen38_kernel_capture", default=None)
+
+
+@contextmanager
+def capturing(capture) -> Iterator[None]:
+    """Kernel launches inside go to capture(kernel, call) instead (returning its outputs)."""
+    token = _CAPTURE.set(capture)
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
 
 
 def versioned(name: str, source: str, header: str, inputs=(), outputs=()) -> str:

@@ -362,7 +362,10 @@ class EmulatedKernel:
         self.source = DYNAMIC_SHARED.sub(
             rf"static EMU_TLS __align__(16) unsigned char \2[{max(shared_memory, 16)}];", source
         )
-        self.header = header
+        # (a fused kernel's phases, with their shared memory, are in its header)
+        self.header = DYNAMIC_SHARED.sub(
+            rf"static EMU_TLS __align__(16) unsigned char \2[{max(shared_memory, 16)}];", header
+        )
 
     def __call__(
         self,

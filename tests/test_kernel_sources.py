@@ -345,3 +345,40 @@ def test_grid_sync_kernels_compile(recorded, tmp_path, dtype):
                 )
         else:
             compiles(tmp_path, kernel, types, template)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_fused_gated_residual_open_compiles(tmp_path, monkeypatch, dtype):
+    """kernels/fused.py's composition of a Flash-Next step's close + norm, gated down /
+    inject product and mixed up product (4 streams of 2560, low rank 320): the phases as
+    device functions, their constants in namespaces, the grid barrier between them."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("--run-nvcc needs nvcc on PATH")
+    from qwen38_backend.kernels import fused
+
+    for module in (stream_mix, rows_matmul):
+        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
+    for factory in FACTORIES:
+        factory.cache_clear()
+    H, S, L = 2560, 4, 320
+    R, out = mx.zeros((1, S * H), dtype), mx.zeros((1, H), dtype)
+    with fused.capture() as taken:
+        closed, normed = stream_mix.closed_norm(
+            R, mx.zeros((1, S), dtype), out, mx.zeros((S * H,), dtype), S, 1e-6
+        )
+        gated = rows_matmul.rows_matmul(normed, mx.zeros((L + S, S * H), dtype), gates=(L, S))
+        up = mx.zeros((S * H, L), dtype)
+        rows_matmul.rows_matmul(taken.prefix(gated, (1, L)), up, mix=(normed, S))
+    spec, inputs, _, _ = fused.compose(taken)
+    dtypes = [a.dtype for a in inputs]
+    dtypes += [d for p in taken.phases for d in p.call["output_dtypes"]] + [mx.uint32]
+    names = spec["input_names"] + spec["output_names"]
+    kernel = {
+        "body": spec["source"],
+        "header": spec["header"],
+        "inputs": spec["input_names"],
+        "outputs": spec["output_names"],
+    }
+    compiles(tmp_path, kernel, {n: C_TYPES[d] for n, d in zip(names, dtypes, strict=True)}, [])
+    for factory in FACTORIES:
+        factory.cache_clear()

@@ -1,0 +1,141 @@
+"""kernels/fused.py under the CPU emulation: launches captured through their modules' own
+launch code and run as one persistent launch (phases, grid barriers) give the separate
+launches' bits; what cannot be fused is refused before anything runs."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import pytest
+from cuda_emulator import clear_caches, emulate
+from helpers import random_gated_residual
+from qwen38_backend.kernels import fused, grid_sync, jit, moe_route, rows_matmul, stream_mix
+
+PHASE_MODULES = (stream_mix, rows_matmul, moe_route)
+
+
+@pytest.fixture
+def emulation(monkeypatch):
+    """switch(on): the phase modules' kernels emulated (separate launches) or real jit
+    Kernels (captured, never launched here); the fused launch is always emulated."""
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    emulate(monkeypatch, fused)
+    emulate(monkeypatch, grid_sync)
+
+    def switch(on: bool) -> None:
+        for module in PHASE_MODULES:
+            if on:
+                emulate(monkeypatch, module)
+            else:
+                monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
+                clear_caches(module)
+
+    yield switch
+    for module in (*PHASE_MODULES, fused, grid_sync):
+        clear_caches(module)
+
+
+def _gated_residual_open(hc, R, inj, out, then):
+    """What a Flash-Next step launches around a mixer: the close with the next residual's
+    norm, its down / inject product with the gates, its up product with the mix."""
+    L, S = then.lowrank, then.hc_count
+    closed, normed = stream_mix.closed_norm(R, inj, out, then.hc_norm.weight, S, then.hc_norm.eps)
+    gated = rows_matmul.rows_matmul(normed, then.down_inject_proj.weight, gates=(L, S))
+    return closed, normed, gated
+
+
+def _operands(dtype, hidden=64, streams=4, low_rank=16):
+    hc = random_gated_residual(hidden, streams, low_rank, 1e-6, seed=5)
+    then = random_gated_residual(hidden, streams, low_rank, 1e-6, seed=7)
+    hc.set_dtype(dtype)
+    then.set_dtype(dtype)
+    keys = mx.random.split(mx.random.key(6), 3)
+    R = (2 * mx.random.normal((1, hidden * streams), key=keys[0])).astype(dtype)
+    inj = mx.random.normal((1, streams), key=keys[1]).astype(dtype)
+    out = mx.random.normal((1, hidden), key=keys[2]).astype(dtype)
+    return hc, then, R, inj, out
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_a_close_norm_and_two_products_fuse_bit_for_bit(emulation, dtype, blocks):
+    """The close + norm, the gated down / inject product and the mixed up product (whose
+    input is a prefix of the gated output) as one launch of 1 or 3 blocks (virtual blocks
+    in turn) equal the three launches bit for bit, every output, and every block arrived at
+    both barriers."""
+    hc, then, R, inj, out = _operands(dtype)
+    L, S = then.lowrank, then.hc_count
+    up = then.input_mix_weight_up.weight
+
+    def build(take_prefix):
+        closed, normed, gated = _gated_residual_open(hc, R, inj, out, then)
+        x = rows_matmul.rows_matmul(take_prefix(gated, (1, L)), up, mix=(normed, S))
+        return [closed, normed, gated, x]
+
+    emulation(True)
+    want = build(lambda a, shape: a[:, : shape[1]])
+    mx.eval(want)
+    emulation(False)
+    with fused.capture() as taken:
+        stand_ins = build(taken.prefix)
+    assert len(taken.phases) == 3
+    emulation(True)  # (the fused launch is emulated either way)
+    real = fused.launch(taken, blocks)
+    got = [real(s) for s in stand_ins]
+    assert real.barrier.tolist() == [2 * blocks, 0]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert mx.array_equal(g, w).item()
+
+
+def test_the_probe_passes_fused_launches_and_refuses_a_wrong_one(emulation, monkeypatch):
+    """agrees(): a composition equal to its launches passes; one whose phase reads a prefix
+    one value off (a wrong reference) is refused with a warning."""
+    hc, then, R, inj, out = _operands(mx.float32)
+    monkeypatch.setenv("QWEN38_FUSED", "auto")
+    emulation(True)
+
+    def build():
+        closed, normed = stream_mix.closed_norm(R, inj, out, then.hc_norm.weight, 4, 1e-6)
+        return [closed, normed, rows_matmul.rows_matmul(normed, then.down_inject_proj.weight)]
+
+    # agrees() captures build() with the modules as they are (emulated here), so the capture
+    # must see jit Kernels: switch to them inside build's capture
+    def captured_build():
+        capture = jit._CAPTURE.get()
+        emulation(capture is None)
+        return build()
+
+    fused._AGREED.clear()
+    assert fused.agrees("ok", captured_build, blocks=2)
+    monkeypatch.setattr(
+        fused,
+        "_shape_constants",
+        lambda name, shape, body: [
+            f"__device__ constexpr int {name}_shape[] = {{{shape[0]}, {shape[1] - 4}}};"
+        ]
+        if f"{name}_shape" in body
+        else [],
+    )
+    clear_caches(fused)
+    with pytest.warns(UserWarning, match="equal to the separate launches: False"):
+        assert not fused.agrees("wrong", captured_build, blocks=2)
+
+
+def test_what_cannot_fuse_is_refused_before_it_runs(emulation):
+    """Phases of different thread counts (the routing kernel's 128 beside a product's
+    256), or nothing captured, are refused by name."""
+    emulation(False)
+    logits = mx.zeros((1, 64))
+    w = mx.zeros((8, 64))
+    with fused.capture() as taken:
+        rows_matmul.rows_matmul(logits, w)
+        moe_route.route(logits, 4, True)
+    with pytest.raises(ValueError, match="one 1-D thread count"):
+        fused.launch(taken, 2)
+    with fused.capture() as empty:
+        pass
+    with pytest.raises(ValueError, match="nothing was captured"):
+        fused.launch(empty, 2)
