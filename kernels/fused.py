@@ -51,7 +51,11 @@ C_TYPES = {
     mx.uint64: "uint64_t",
     mx.bool_: "bool",
 }
-BLOCKS_PER_SM = 1  # persistent blocks an SM (resident at once: the barrier needs them all)
+# Persistent blocks an SM: all must be resident at once (the barrier waits for every one), so
+# two blocks of 256 threads need at most 128 registers a thread; a probe that finds a wait
+# giving up refuses the composition (agrees). Two, so a phase's loads have more warps to
+# hide their latency behind than one block's eight. Not measured yet.
+BLOCKS_PER_SM = 2
 
 INDEX = """
 namespace qwen38_fused {
@@ -284,19 +288,29 @@ def supported() -> bool:
 _AGREED: dict = {}
 
 
-def agrees(key, build: Callable[[], list[mx.array]], blocks: int | None = None) -> bool:
-    """Whether build()'s launches, captured and fused, give what they give run one by one,
-    bit for bit, with no barrier wait giving up (decided once per `key`; a refusal warns).
-    QWEN38_FUSED: auto (the default) | off | force (no probe)."""
-    decided = switched("QWEN38_FUSED", supported)
+def whole_prefix(a: mx.array, shape: tuple[int, ...]) -> mx.array:
+    """The first prod(shape) values of `a` as `shape` (what Capture.prefix stands for)."""
+    return a.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+def agrees(key, build: Callable, blocks: int | None = None) -> bool:
+    """Whether build(prefix)'s launches, captured and fused, give what they give run one by
+    one, bit for bit, with no barrier wait giving up (decided once per `key`; a refusal
+    warns). build returns its outputs (None: nothing to fuse here); `prefix(a, shape)` is
+    whole_prefix, or Capture.prefix while captured. QWEN38_FUSED_KERNEL: off (the default,
+    until measured on a GPU) | auto | force (no probe)."""
+    decided = switched("QWEN38_FUSED_KERNEL", supported, default="off")
     if decided is not None:
         return decided
     if key in _AGREED:
         return _AGREED[key]
     try:
-        want = build()
+        want = build(whole_prefix)
+        if want is None:
+            _AGREED[key] = False
+            return False
         with capture() as taken:
-            stand_ins = build()
+            stand_ins = build(taken.prefix)
         real = launch(taken, blocks)
         got = [real(s) for s in stand_ins]
         mx.eval(want, got, real.barrier)
@@ -314,3 +328,6 @@ def agrees(key, build: Callable[[], list[mx.array]], blocks: int | None = None) 
         )
     _AGREED[key] = not gave_up and same
     return _AGREED[key]
+
+
+agrees.cache_clear = _AGREED.clear  # as the other kernels' probes are cleared

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from qwen38_backend.kernels import decode_attention, rows_matmul
+from qwen38_backend.kernels import decode_attention, jit, rows_matmul
 from qwen38_backend.kernels.grid_sync import GRID_BARRIER
 
 HEADER = r"""
@@ -356,6 +356,15 @@ class EmulatedKernel:
 
     def __init__(self, *, name, input_names, output_names, source, header="", shared_memory=0, **_):
         self.name, self.inputs, self.outputs = name, input_names, output_names
+        # what jit.Kernel keeps: a capture (kernels/fused.py) composes from it
+        self.spec = dict(
+            name=name,
+            input_names=input_names,
+            output_names=output_names,
+            source=source,
+            header=header,
+            shared_memory=shared_memory,
+        )
         for issued, landed in ASYNC.items():
             header = header.replace(issued, landed)
         # dynamic shared memory: a static buffer of the launch's size
@@ -379,6 +388,18 @@ class EmulatedKernel:
         init_value=None,
         **_,
     ) -> list[mx.array]:
+        capture = jit._CAPTURE.get()
+        if capture is not None:  # captured, as jit.Kernel's launches are
+            call = dict(
+                inputs=inputs,
+                grid=grid,
+                threadgroup=threadgroup,
+                output_shapes=output_shapes,
+                output_dtypes=output_dtypes,
+                template=template,
+                init_value=init_value,
+            )
+            return capture(self, call)
         arrays = [mx.contiguous(a) for a in inputs]  # MLX copies to row-contiguous too
         params, args, keep = [], [], []
         for name, a in zip(self.inputs, arrays, strict=True):

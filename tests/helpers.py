@@ -101,3 +101,29 @@ def set_switch(monkeypatch, variable: str, value: str | None) -> None:
         monkeypatch.delenv(variable, raising=False)
     else:
         monkeypatch.setenv(variable, value)
+
+
+def greedy_off_on(
+    monkeypatch, path, prompt: list[int], switch: str, on: str, reset, max_tokens: int, between
+) -> tuple[list[int], list[int]]:
+    """The greedy tokens of a tiny fp32 model at `path`, freshly loaded with the environment
+    `switch` off, then `on` (reset() before each and after: the kernel's cached probes;
+    between() in between), its traces uncompiled so that emulated kernels see values."""
+    import mlx.core as mx
+
+    import qwen38_backend
+
+    def tokens(choice: str) -> list[int]:
+        monkeypatch.setenv(switch, choice)
+        reset()
+        model = qwen38_backend.load(str(path), dtype="float32")
+        return list(model.generate_tokens(prompt, max_tokens=max_tokens, stop_token_ids=[]))
+
+    mx.disable_compile()
+    try:
+        plain = tokens("off")
+        between()
+        return plain, tokens(on)
+    finally:
+        mx.enable_compile()
+        reset()

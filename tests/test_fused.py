@@ -9,7 +9,7 @@ import shutil
 import mlx.core as mx
 import pytest
 from cuda_emulator import clear_caches, emulate
-from helpers import random_gated_residual
+from helpers import greedy_off_on, random_gated_residual
 from qwen38_backend.kernels import fused, grid_sync, jit, moe_route, rows_matmul, stream_mix
 
 PHASE_MODULES = (stream_mix, rows_matmul, moe_route)
@@ -69,13 +69,13 @@ def test_a_close_norm_and_two_products_fuse_bit_for_bit(emulation, dtype, blocks
     L, S = then.lowrank, then.hc_count
     up = then.input_mix_weight_up.weight
 
-    def build(take_prefix):
+    def build(prefix):
         closed, normed, gated = _gated_residual_open(hc, R, inj, out, then)
-        x = rows_matmul.rows_matmul(take_prefix(gated, (1, L)), up, mix=(normed, S))
+        x = rows_matmul.rows_matmul(prefix(gated, (1, L)), up, mix=(normed, S))
         return [closed, normed, gated, x]
 
     emulation(True)
-    want = build(lambda a, shape: a[:, : shape[1]])
+    want = build(fused.whole_prefix)
     mx.eval(want)
     emulation(False)
     with fused.capture() as taken:
@@ -91,37 +91,37 @@ def test_a_close_norm_and_two_products_fuse_bit_for_bit(emulation, dtype, blocks
 
 
 def test_the_probe_passes_fused_launches_and_refuses_a_wrong_one(emulation, monkeypatch):
-    """agrees(): a composition equal to its launches passes; one whose phase reads a prefix
-    one value off (a wrong reference) is refused with a warning."""
+    """agrees(): a composition equal to its launches passes (off unless switched on); one
+    whose phase reads its input four values short (a wrong shape constant) is refused with
+    a warning."""
     hc, then, R, inj, out = _operands(mx.float32)
-    monkeypatch.setenv("QWEN38_FUSED", "auto")
-    emulation(True)
+    L, S = then.lowrank, then.hc_count
+    up = then.input_mix_weight_up.weight
 
-    def build():
-        closed, normed = stream_mix.closed_norm(R, inj, out, then.hc_norm.weight, 4, 1e-6)
-        return [closed, normed, rows_matmul.rows_matmul(normed, then.down_inject_proj.weight)]
+    def build(prefix):
+        # agrees() captures build with the modules as they are: jit Kernels while captured,
+        # the emulation while not
+        emulation(jit._CAPTURE.get() is None)
+        closed, normed, gated = _gated_residual_open(hc, R, inj, out, then)
+        x = rows_matmul.rows_matmul(prefix(gated, (1, L)), up, mix=(normed, S))
+        return [closed, normed, gated, x]
 
-    # agrees() captures build() with the modules as they are (emulated here), so the capture
-    # must see jit Kernels: switch to them inside build's capture
-    def captured_build():
-        capture = jit._CAPTURE.get()
-        emulation(capture is None)
-        return build()
-
-    fused._AGREED.clear()
-    assert fused.agrees("ok", captured_build, blocks=2)
+    fused.agrees.cache_clear()
+    assert not fused.agrees("default", build, blocks=2)  # off by default
+    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
+    assert fused.agrees("ok", build, blocks=2)
     monkeypatch.setattr(
         fused,
         "_shape_constants",
-        lambda name, shape, body: [
-            f"__device__ constexpr int {name}_shape[] = {{{shape[0]}, {shape[1] - 4}}};"
-        ]
-        if f"{name}_shape" in body
-        else [],
+        lambda name, shape, body: (
+            [f"__device__ constexpr int {name}_shape[] = {{{shape[0]}, {shape[1] - 4}}};"]
+            if f"{name}_shape" in body
+            else []
+        ),
     )
     clear_caches(fused)
     with pytest.warns(UserWarning, match="equal to the separate launches: False"):
-        assert not fused.agrees("wrong", captured_build, blocks=2)
+        assert not fused.agrees("wrong", build, blocks=2)
 
 
 def test_what_cannot_fuse_is_refused_before_it_runs(emulation):
@@ -139,3 +139,57 @@ def test_what_cannot_fuse_is_refused_before_it_runs(emulation):
         pass
     with pytest.raises(ValueError, match="nothing was captured"):
         fused.launch(empty, 2)
+
+
+@pytest.mark.slow  # ~4 min: every kernel of four generations emulated, twice
+def test_flash_next_steps_fuse_their_close_and_open(monkeypatch, tmp_path):
+    """A tiny Flash-Next (fp32) decoding with the stream kernels and the product epilogues
+    emulated: with QWEN38_FUSED_KERNEL on, every one-row step's close + norm + gated + mixed
+    products run as one fused launch where its products take the row-invariant kernel (the
+    trunk's; the MTP head's drafts run on the op path), rows of several (prefill, verify)
+    run them apart, and the greedy tokens are those of the separate launches."""
+    import qwen38_backend
+    from qwen38_backend.models.hyper_connections import GatedResidual
+    from qwen38_backend.testing import make_tiny_weights
+
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    for module in (stream_mix, rows_matmul, fused, grid_sync):
+        emulate(monkeypatch, module)
+    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
+    for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES", "STREAM_KERNEL", "GATES_KERNEL", "MIX_KERNEL"):
+        monkeypatch.setenv(f"QWEN38_{switch}", "force")
+    path = make_tiny_weights("qwen4_exp", tmp_path / "flash", dtype="float32")
+    prompt = [(3 * i + 5) % 200 + 2 for i in range(7)]
+    events = []
+    launch, close_then_open = fused.launch, GatedResidual.close_then_open
+    monkeypatch.setattr(
+        fused, "launch", lambda *a, **kw: events.append("fused") or launch(*a, **kw)
+    )
+
+    def recorded_close_then_open(self, R, *args):
+        events.append(("open", R.shape[0]))
+        return close_then_open(self, R, *args)
+
+    monkeypatch.setattr(GatedResidual, "close_then_open", recorded_close_then_open)
+
+    def reset() -> None:
+        for module in (stream_mix, rows_matmul, fused):
+            clear_caches(module)
+
+    separate, together = greedy_off_on(
+        monkeypatch, path, prompt, "QWEN38_FUSED_KERNEL", "auto", reset, 4,
+        between=lambda: events.append("marker"),
+    )  # fmt: skip
+    assert together == separate
+    split = events.index("marker")
+    assert "fused" not in events[:split]  # nothing fused while off
+    after = events[split + 1 :]
+    # the trunk's last step (one row) opened twice a layer, but for the first layer's and
+    # each PLE layer's mixer (nothing left to close: its close ran before), each fused
+    blocks = qwen38_backend.load(str(path), dtype="float32").net.model.layers
+    opens = 2 * len(blocks) - 1 - sum(b.has_ple for b in blocks)
+    assert after[-2 * opens :] == [("open", 1), "fused"] * opens
+    for i, e in enumerate(after):  # prefill and verify rows open apart
+        if isinstance(e, tuple) and e[1] > 1:
+            assert after[i + 1 : i + 2] != ["fused"]

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from cuda_emulator import clear_caches, emulate
-from helpers import random_gated_residual, random_moe
+from helpers import greedy_off_on, random_gated_residual, random_moe
 from qwen38_backend.kernels import (
     decode_attention,
     expert_qmv,
@@ -35,30 +35,6 @@ from qwen38_backend.models.hyper_connections import stream_mean
 from qwen38_backend.models.moe import QuantizedExperts, route, weighted_experts
 
 MODULES = (moe_route, stream_mix, expert_qmv)
-
-
-def greedy_off_on(
-    monkeypatch, path, prompt: list[int], switch: str, on: str, reset, max_tokens: int, between
-) -> tuple[list[int], list[int]]:
-    """The greedy tokens of a tiny fp32 model at `path`, freshly loaded with the environment
-    `switch` off, then `on` (reset() before each and after: the kernel's cached probes;
-    between() in between), its traces uncompiled so that emulated kernels see values."""
-    import qwen38_backend
-
-    def tokens(choice: str) -> list[int]:
-        monkeypatch.setenv(switch, choice)
-        reset()
-        model = qwen38_backend.load(str(path), dtype="float32")
-        return list(model.generate_tokens(prompt, max_tokens=max_tokens, stop_token_ids=[]))
-
-    mx.disable_compile()
-    try:
-        plain = tokens("off")
-        between()
-        return plain, tokens(on)
-    finally:
-        mx.enable_compile()
-        reset()
 
 
 @pytest.fixture

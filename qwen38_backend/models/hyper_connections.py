@@ -62,6 +62,7 @@ class GatedResidual(nn.Module):
 
     _checked = ""  # the dtype prepare_decode decided for
     _kernel_for = ""  # the dtype whose steps run kernels/stream_mix.py ("": none)
+    _fuse_for = ""  # the dtype whose one-row close + open is one launch (kernels/fused.py)
 
     def __init__(self, hidden: int, hc_count: int, lowrank: int, eps: float, inject: bool = True):
         super().__init__()
@@ -91,11 +92,45 @@ class GatedResidual(nn.Module):
         gates and mix of streams of `dtype` run as kernels/stream_mix.py's launches."""
         if self._checked == str(dtype):
             return  # decided once per dtype: this runs every step
-        self._checked, self._kernel_for = str(dtype), ""
+        self._checked, self._kernel_for, self._fuse_for = str(dtype), "", ""
         kernel = kernel_module("stream_mix")
         shape = (self.hidden, self.hc_count, self.lowrank, self.hc_norm.eps)
         if kernel is not None and kernel.available(*shape, dtype):
             self._kernel_for = str(dtype)
+            if self._fuses(dtype):
+                self._fuse_for = str(dtype)
+
+    def _fuses(self, dtype: mx.Dtype) -> bool:
+        """Whether a one-row close (of streams of `dtype`) with this residual's norm, gated
+        and mixed products runs as one launch with the bits of the three (kernels/fused.py;
+        its probe on random streams, once per shape and weights' type)."""
+        fused = kernel_module("fused")
+        if fused is None or "down_inject_proj" not in self:
+            return False
+        H, S = self.hidden, self.hc_count
+        keys = mx.random.split(mx.random.key(41), 3)
+        R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
+        inj = mx.random.normal((1, S), key=keys[1]).astype(dtype)
+        out = mx.random.normal((1, H), key=keys[2]).astype(dtype)
+        products = (self.down_inject_proj, self.input_mix_weight_up)
+        weights = [(type(p).__name__, str(p.weight.dtype)) for p in products]
+        key = ("gated residual open", H, S, self.lowrank, self.hc_norm.eps, str(dtype), weights)
+        return fused.agrees(str(key), lambda prefix: self._open_launches(R, inj, out, prefix))
+
+    def _open_launches(self, R: mx.array, inj: mx.array, out: mx.array, prefix):
+        """[the closed streams, the block input, the gated down / inject product] of the
+        close of R with (inj, out) then this residual's open, as three launches (the stream
+        kernels' closed norm, the gated and the mixed products), or None where a product
+        does not take its kernel; `prefix(a, shape)`: a prefix of an output (fused.py)."""
+        L, S = self.lowrank, self.hc_count
+        streams = kernel_module("stream_mix")
+        norm = self.hc_norm
+        closed, normed = streams.closed_norm(R, inj, out, norm.weight, S, norm.eps)
+        gated = gated_product(self.down_inject_proj, normed, L, S)
+        if gated is None:
+            return None
+        x = mixed_product(self.input_mix_weight_up, prefix(gated, (1, L)), normed, S)
+        return None if x is None else [closed, x, gated]
 
     def _kernels(self, R: mx.array) -> ModuleType | None:
         """The stream-mix kernels where prepare_decode chose them for a step of R's rows."""
@@ -170,6 +205,25 @@ class GatedResidual(nn.Module):
             return self.close(R, inj, out), None
         norm = then.hc_norm
         return kernels.closed_norm(R, inj, out, norm.weight, self.hc_count, norm.eps)
+
+    def close_then_open(
+        self, R: mx.array, inj: mx.array, out: mx.array, then: GatedResidual
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """(close(R, inj, out), then's block input and inject weights of it): the close,
+        then's norm and both its products in one launch where `then` fuses them for R's
+        dtype (a step's one row: prepare_decode), else close_then_norm and then.open."""
+        fuses = then._fuse_for == str(R.dtype) and R.ndim == 2 and R.shape[0] == 1
+        if fuses and inj.dtype == out.dtype == R.dtype and self._kernels(R) is not None:
+            fused = kernel_module("fused")
+            with fused.capture() as taken:
+                launches = then._open_launches(R, inj, out, taken.prefix)
+            if launches is not None:
+                real = fused.launch(taken)
+                closed, x, gated = (real(a) for a in launches)
+                return closed, x, gated[:, then.lowrank :]
+        R, normed = self.close_then_norm(R, inj, out, then)
+        x, inj = then.open(R, normed)
+        return R, x, inj
 
     def __call__(self, R: mx.array, block, normed: mx.array | None = None) -> mx.array:
         """R + inj[s] * block(x) on every stream s; open and close split it for a caller

@@ -247,12 +247,12 @@ class Qwen4ExpBlock(nn.Module):
 
     def _open(self, R: mx.array, unclosed) -> tuple[mx.array, mx.array, mx.array]:
         """(R with the layer before's MoE added, the mixer's input, its inject weights): the
-        close and this mixer's norm in one launch where the stream kernels run."""
+        close and this mixer's norm in one launch where the stream kernels run (with the
+        open's two products too where they fuse: GatedResidual.close_then_open)."""
         hc = self.attn_hyper_connection
-        normed = None
         if unclosed:
-            R, normed = hc.close_then_norm(R, *unclosed, hc)
-        x, inj = hc.open(R, normed)
+            return hc.close_then_open(R, *unclosed, hc)
+        x, inj = hc.open(R)
         return R, x, inj
 
     def _moe_step(self, R: mx.array, inj: mx.array, out: mx.array) -> tuple[mx.array, ...]:
@@ -260,8 +260,7 @@ class Qwen4ExpBlock(nn.Module):
         in one launch where the stream kernels run): (R, the MoE's inject weights, its
         output), closed by the next layer (`unclosed`)."""
         hc, mlp_hc = self.attn_hyper_connection, self.mlp_hyper_connection
-        R, normed = hc.close_then_norm(R, inj, out, mlp_hc)
-        x, inj = mlp_hc.open(R, normed)
+        R, x, inj = hc.close_then_open(R, inj, out, mlp_hc)
         return R, inj, self.mlp(x)
 
 
