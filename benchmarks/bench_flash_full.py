@@ -32,7 +32,9 @@ each phase, so a call cut off at its time limit still leaves a record):
   on (routing, stream mixes, routed experts, QSA's selection: kernels/moe_route.py,
   stream_mix.py, expert_qmv.py, top_select.py; "qk": QSA's q/k norms and RoPE,
   qk_norm_rope.py; "gates" / "mix": the gated residuals' gates / block-input mix in their
-  products' epilogues, rows_matmul.py; "inplace": QSA steps reading their chosen
+  products' epilogues, rows_matmul.py; "fused": a step's close with the next gated
+  residual's norm and both its products as one persistent launch, fused.py (off by default
+  until measured); "inplace": QSA steps reading their chosen
   blocks in place through kernels/decode_attention.py; the rest off), the sets taking turns run by
   run, the layers that chose them, whether the tokens are the default's and the first that
   is not (against the default's gap between its two largest logits at each step,
@@ -267,6 +269,7 @@ STEP_KERNELS = {
     "qk": "QK",
     "gates": "GATES",
     "mix": "MIX",
+    "fused": "FUSED",
 }
 IN_PLACE = "inplace"  # a set's name for QSA's in-place block reads (no environment switch)
 # each step kernel's module and its cached probes (cleared when the switches change)
@@ -277,6 +280,7 @@ STEP_PROBES = {
     "top_select": ("qsa_available",),
     "qk_norm_rope": ("available",),
     "rows_matmul": ("gates_available", "mix_available"),
+    "fused": ("agrees",),
 }
 
 
@@ -384,6 +388,11 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
                     for m in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
                 ),
                 "select": sum(qsa_selects(layer) for layer in layers),
+                "fused": sum(
+                    bool(m._fuse_for)
+                    for layer in layers
+                    for m in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
+                ),
                 "qk": sum(
                     bool(layer.self_attn._qk_kernel_for) for layer in layers if not layer.is_linear
                 ),

@@ -8,8 +8,9 @@ For each shape KxN a chain of --phases one-row bf16 products alternates a [N, K]
 [K, N] weight (10240x320: a Flash-Next gated residual's low-rank down and up; 2560x2560: a
 hidden-to-hidden product), run three ways in turns, run by run:
 - "launches": a launch a phase (what a step does today);
-- "persistent": one launch of one block an SM, a grid barrier between phases;
-- "barriers": the persistent launch without the products (what the barriers alone cost).
+- "persistent_B": one launch of B blocks (--per-sm times the SMs), grid barriers between
+  phases;
+- "barriers_B": that launch without the products (what the barriers alone cost).
 Per way: the device ms of a chain (queued behind a spin: probe_step_graph.py's method), the
 weights' TB/s, the host's ms to build and queue a chain (wall and CPU time; --host-chains
 chains queued back to back, then waited for) and the wall ms a chain takes that way. The
@@ -22,6 +23,7 @@ launch, INTERNALS session 35).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -34,8 +36,6 @@ sys.path.insert(0, str(HERE))
 from common import environment, write_json  # noqa: E402
 from probe_step_graph import queued_device_s  # noqa: E402
 
-WAYS = ("launches", "persistent", "barriers")
-
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
@@ -43,6 +43,27 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         k, n = part.lower().split("x")
         shapes.append((int(k), int(n)))
     return shapes
+
+
+def chain_ways(grid_sync, x, wa, wb, phases: int, blocks: list[int]) -> tuple[dict, dict]:
+    """({blocks: the persistent chain's bits against the launches', its barrier}, {way: a
+    function making that way's chain})."""
+    launches = grid_sync.chain_launches(x, wa, wb, phases)
+    checks, makes = {}, {"launches": lambda: grid_sync.chain_launches(x, wa, wb, phases)[-1]}
+    for b in blocks:
+        ys, barrier = grid_sync.chain(x, wa, wb, phases, b)
+        mx.eval(ys, barrier, launches)
+        checks[b] = {
+            "same_bits": grid_sync.same_as_launches(ys, launches),
+            "barrier": barrier.tolist(),
+        }
+        makes[f"persistent_{b}"] = functools.partial(
+            lambda n: grid_sync.chain(x, wa, wb, phases, n)[0], b
+        )
+        makes[f"barriers_{b}"] = functools.partial(
+            lambda n: grid_sync.chain(x, wa, wb, phases, n, False)[1], b
+        )
+    return checks, makes
 
 
 def host_ms(make, chains: int) -> dict:
@@ -74,18 +95,20 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20, help="chains queued per device timing")
     ap.add_argument("--host-chains", type=int, default=200)
-    ap.add_argument("--blocks", type=int, default=0, help="persistent blocks (0: one an SM)")
+    ap.add_argument(
+        "--per-sm", default="1,2,4", help="persistent blocks an SM, each a way of its own"
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.phases < 2:
         ap.error("--phases must be at least 2 (a barrier needs two phases)")
     sms = grid_sync.sm_count()
-    blocks = args.blocks or sms
+    per_sm = [int(p) for p in args.per_sm.split(",")]
     result = {
         "benchmark": "grid barrier vs launch boundary, chains of one-row bf16 products",
         "environment": environment(),
         "sms": sms,
-        "blocks": blocks,
+        "per_sm": per_sm,
         "phases": args.phases,
         "shapes": {},
     }
@@ -95,37 +118,26 @@ def main() -> None:
         wb = (mx.random.normal((k, n), key=keys[1]) / n**0.5).astype(mx.bfloat16)
         x = mx.random.normal((k,), key=keys[2]).astype(mx.bfloat16)
         mx.eval(wa, wb, x)
-        ys, barrier = grid_sync.chain(x, wa, wb, args.phases, blocks)
-        launches = grid_sync.chain_launches(x, wa, wb, args.phases)
-        mx.eval(ys, barrier, launches)
-        checks = {
-            "same_bits": grid_sync.same_as_launches(ys, launches),
-            "barrier": barrier.tolist(),
-        }
-        makes = {
-            "launches": lambda: grid_sync.chain_launches(x, wa, wb, args.phases)[-1],
-            "persistent": lambda: grid_sync.chain(x, wa, wb, args.phases, blocks)[0],
-            "barriers": lambda: grid_sync.chain(x, wa, wb, args.phases, blocks, False)[1],
-        }
-        device = {way: [] for way in WAYS}
+        checks, makes = chain_ways(grid_sync, x, wa, wb, args.phases, [sms * p for p in per_sm])
+        ways_run = list(makes)
+        device = {way: [] for way in ways_run}
         for _ in range(args.runs):
-            for way in WAYS:
+            for way in ways_run:
                 device[way].append(1e3 * queued_device_s(makes[way], args.repeats))
         nbytes = (args.phases + 1) // 2 * wa.nbytes + args.phases // 2 * wb.nbytes
         ways = {}
-        for way in WAYS:
+        for way in ways_run:
             ms = statistics.median(device[way])
             ways[way] = {
                 "device_ms": ms,
                 "device_runs": device[way],
                 **host_ms(makes[way], args.host_chains),
             }
-            if way != "barriers":
+            if way.startswith("barriers"):
+                ways[way]["device_us_a_barrier"] = 1e3 * ms / (args.phases - 1)
+            else:
                 ways[way]["tb_s"] = nbytes / (ms / 1e3) / 1e12
-        ways["barriers"]["device_us_a_barrier"] = (
-            1e3 * ways["barriers"]["device_ms"] / (args.phases - 1)
-        )
-        result["shapes"][f"{k}x{n}"] = {"weights_bytes": nbytes, **checks, "ways": ways}
+        result["shapes"][f"{k}x{n}"] = {"weights_bytes": nbytes, "checks": checks, "ways": ways}
         print(f"{k}x{n}: {checks}")
         for way, r in ways.items():
             print(
