@@ -57,6 +57,8 @@ def chain_ways(grid_sync, x, wa, wb, phases: int, blocks: list[int]) -> tuple[di
             "same_bits": grid_sync.same_as_launches(ys, launches),
             "barrier": barrier.tolist(),
         }
+        if checks[b]["barrier"][1] or not checks[b]["same_bits"]:
+            continue  # not all resident (a wait gave up): each launch would wait ~0.3 s
         makes[f"persistent_{b}"] = functools.partial(
             lambda n: grid_sync.chain(x, wa, wb, phases, n)[0], b
         )

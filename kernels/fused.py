@@ -160,6 +160,9 @@ def compose(taken: Capture) -> tuple[dict, list[mx.array], int, int]:
     threads = {tuple(p.call["threadgroup"]) for p in phases}
     if len(threads) != 1 or next(iter(threads))[1:] != (1, 1):
         raise ValueError(f"fused phases need one 1-D thread count, got {sorted(threads)}")
+    for phase in phases:  # only bodies get their own grid: a header must not read it
+        if re.search(r"\b(blockIdx|gridDim)\b", phase.kernel.spec.get("header", "")):
+            raise ValueError(f"{phase.kernel.spec['name']}: its header reads the grid")
     inputs, names, plan = [], [], []
     for i, phase in enumerate(phases):
         args = []
@@ -207,12 +210,33 @@ def _shape_constants(name: str, shape: tuple, body: str) -> list[str]:
     return out
 
 
+def header_units(header: str) -> list[str]:
+    """A (compacted) header's top-level pieces: each preprocessor line outside braces, and
+    each declaration up to the brace or semicolon that closes it at depth 0, so that two
+    kernels' headers built from the same helpers give equal pieces (defined once when
+    fused). Braces inside string and character literals do not count."""
+    units, current, depth = [], [], 0
+    for line in header.splitlines(keepends=True):
+        if depth == 0 and not current and line.lstrip().startswith("#"):
+            units.append(line)
+            continue
+        current.append(line)
+        code = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', "", line)
+        depth += code.count("{") - code.count("}")
+        if depth == 0 and (code.rstrip().endswith(("}", ";"))):
+            units.append("".join(current))
+            current = []
+    if current or depth:
+        raise ValueError("a kernel header whose braces do not close")
+    return units
+
+
 def _fused_spec(phases: list[Phase], plan: list, names: list[str], virtual: list) -> dict:
-    headers: list[str] = []
+    headers: list[str] = []  # top-level pieces, each once: headers share helpers
     for phase in phases:
-        header = phase.kernel.spec.get("header", "")
-        if header and header not in headers:
-            headers.append(header)
+        for unit in header_units(phase.kernel.spec.get("header", "")):
+            if unit not in headers:
+                headers.append(unit)
     functions, calls, outputs = [], [], []
     for i, (phase, args) in enumerate(zip(phases, plan, strict=True)):
         spec, call = phase.kernel.spec, phase.call
@@ -300,6 +324,8 @@ def agrees(key, build: Callable, blocks: int | None = None) -> bool:
     whole_prefix, or Capture.prefix while captured. QWEN38_FUSED_KERNEL: off (the default,
     until measured on a GPU) | auto | force (no probe)."""
     decided = switched("QWEN38_FUSED_KERNEL", supported, default="off")
+    if decided:
+        grid_sync.sm_count()  # read back here, outside the traces that launch
     if decided is not None:
         return decided
     if key in _AGREED:

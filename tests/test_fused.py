@@ -193,3 +193,33 @@ def test_flash_next_steps_fuse_their_close_and_open(monkeypatch, tmp_path):
     for i, e in enumerate(after):  # prefill and verify rows open apart
         if isinstance(e, tuple) and e[1] > 1:
             assert after[i + 1 : i + 2] != ["fused"]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_phases_sharing_helpers_define_them_once(emulation, dtype):
+    """A plain product and a gated one (headers sharing the row helpers, one with MLX's ops
+    first) fuse with each helper defined once, and give the two launches' bits; the
+    splitting into top-level pieces keeps braces inside literals."""
+    keys = mx.random.split(mx.random.key(9), 3)
+    x = mx.random.normal((1, 64), key=keys[0]).astype(dtype)
+    w = (mx.random.normal((24, 64), key=keys[1]) / 8).astype(dtype)
+    wg = (mx.random.normal((20, 64), key=keys[2]) / 8).astype(dtype)
+
+    def build():
+        return [rows_matmul.rows_matmul(x, w), rows_matmul.rows_matmul(x, wg, gates=(16, 4))]
+
+    emulation(True)
+    want = build()
+    mx.eval(want)
+    emulation(False)
+    with fused.capture() as taken:
+        stand_ins = build()
+    spec = fused.compose(taken)[0]
+    assert spec["header"].count("struct Bytes;") == 1
+    assert spec["header"].count("load_x(") == 1
+    emulation(True)
+    real = fused.launch(taken, 2)
+    for s, w_ in zip(stand_ins, want, strict=True):
+        assert mx.array_equal(real(s), w_).item()
+    units = fused.header_units("namespace a {\nconst char* s = \"{\";\nchar c = '}';\n}\n#x\n")
+    assert units == ["namespace a {\nconst char* s = \"{\";\nchar c = '}';\n}\n", "#x\n"]
