@@ -683,7 +683,7 @@ def _decode_with(
     path = make_tiny_weights(arch, tmp_path / "q", dtype="bfloat16")
     probes = [
         getattr(module, name)
-        for name in ("available", "norm_available", "gates_available", "mix_available")
+        for name in ("available", "norm_available", "gates_available", "mix_available", "agrees")
         if hasattr(module, name)
     ]
     tokens, logits, nodes = {}, {}, {}
@@ -1073,6 +1073,25 @@ def test_product_epilogues_keep_flash_next_steps_bit_for_bit(tmp_path, monkeypat
     assert tokens["auto"] == tokens["off"]
     for a, b in zip(logits["auto"], logits["off"], strict=True):
         assert mx.array_equal(a, b).item()
+
+
+def test_fused_opens_keep_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
+    """A bf16 tiny Flash-Next decoding with each step's close, norm and gated residual
+    products as one persistent launch (kernels/fused.py, grid barriers between the phases)
+    picks the same greedy tokens with the same logits, bit for bit, as with the three
+    launches; every gated residual with something to close chose it, and the steps ran it."""
+    from qwen38_backend.kernels import fused as kernel
+
+    calls = _count_calls(monkeypatch, kernel, "launch")
+    models: dict = {}
+    switch = "QWEN38_FUSED_KERNEL"
+    tokens, logits, _ = _decode_with(tmp_path, monkeypatch, switch, kernel, "qwen4_exp", models)
+    assert len(calls) >= 12  # a launch a step at least, in each of the 12 steps
+    assert tokens["auto"] == tokens["off"]
+    for a, b in zip(logits["auto"], logits["off"], strict=True):
+        assert mx.array_equal(a, b).item()
+    layers = models["auto"].net.model.layers
+    assert all(layer.mlp_hyper_connection._fuse_for for layer in layers)
 
 
 def test_steps_take_the_rows_kernel(gpu_models):
