@@ -8,7 +8,7 @@ before only for its inputs; a grid barrier gives the same order inside one launc
 
 How: the launches are captured, not run (`capture()`: a module's own launch code runs
 unchanged, its kernels hand their calls to the capture, which returns stand-in outputs).
-A stand-in passed whole to a later launch (or a contiguous prefix of it: `prefix`) becomes a
+A stand-in passed whole to a later launch (or a row-major stretch of it: `view`) becomes a
 reference to that output; any other array is an input of the fused launch. `launch()` then
 writes each captured kernel's body as a device function of its own namespace (its template
 constants and its inputs' shapes as constants there, `blockIdx` / `gridDim` its own virtual
@@ -22,7 +22,7 @@ Rules a composed kernel follows (the modules' step kernels do): one thread count
 no thread leaves its body before a block barrier that others still reach (a `return` leaves
 the phase's function, not the launch); no output filled before the launch (init_value).
 A stand-in must not be sliced, reshaped or computed on (its values are not real): only
-handed to a later launch of the capture, whole or through `prefix`.
+handed to a later launch of the capture, whole or through `view`.
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ class Capture:
     """Launches captured in order, and where each stand-in output came from."""
 
     phases: list[Phase] = field(default_factory=list)
-    # id(stand-in) -> (phase, output, shape, the stand-in: kept so its id is not reused)
-    made: dict[int, tuple[int, int, tuple, mx.array]] = field(default_factory=dict)
+    # id(stand-in) -> (phase, output, flat offset in it, shape, the stand-in: kept so its id
+    # is not reused)
+    made: dict[int, tuple[int, int, int, tuple, mx.array]] = field(default_factory=dict)
 
     def __call__(self, kernel: Kernel, call: dict) -> list[mx.array]:
         if call.get("init_value") is not None:
@@ -87,17 +88,17 @@ class Capture:
         index = len(self.phases)
         self.phases.append(Phase(kernel, call, outs))
         for k, out in enumerate(outs):
-            self.made[id(out)] = (index, k, tuple(out.shape), out)
+            self.made[id(out)] = (index, k, 0, tuple(out.shape), out)
         return outs
 
-    def prefix(self, stand_in: mx.array, shape: tuple[int, ...]) -> mx.array:
-        """A stand-in for the first prod(shape) values of `stand_in` as an array of `shape`
-        (a row-major prefix, e.g. the first columns of a one-row output)."""
-        phase, k, full, _ = self.made[id(stand_in)]
-        if math.prod(shape) > math.prod(full):
-            raise ValueError(f"a prefix {shape} of an output {full} is larger than it")
+    def view(self, stand_in: mx.array, offset: int, shape: tuple[int, ...]) -> mx.array:
+        """A stand-in for the prod(shape) values of `stand_in` from flat `offset` on, as an
+        array of `shape` (a row-major stretch, e.g. some columns of a one-row output)."""
+        phase, k, at, full, _ = self.made[id(stand_in)]
+        if offset < 0 or offset + math.prod(shape) > math.prod(full):
+            raise ValueError(f"a view of {shape} at {offset} of an output {full} leaves it")
         view = mx.zeros(shape, stand_in.dtype)
-        self.made[id(view)] = (phase, k, tuple(shape), view)
+        self.made[id(view)] = (phase, k, at + offset, tuple(shape), view)
         return view
 
 
@@ -144,11 +145,11 @@ class Fused:
         self.taken, self.real, self.barrier = taken, real, barrier
 
     def __call__(self, stand_in: mx.array) -> mx.array:
-        phase, k, shape, _ = self.taken.made[id(stand_in)]
+        phase, k, at, shape, _ = self.taken.made[id(stand_in)]
         whole = self.real[id(self.taken.phases[phase].outputs[k])]
-        if shape == tuple(whole.shape):
+        if at == 0 and shape == tuple(whole.shape):
             return whole
-        return whole.reshape(-1)[: math.prod(shape)].reshape(shape)
+        return whole_view(whole, at, shape)
 
 
 def compose(taken: Capture) -> tuple[dict, list[mx.array], int, int]:
@@ -173,9 +174,10 @@ def compose(taken: Capture) -> tuple[dict, list[mx.array], int, int]:
                 names.append(f"f{i}_{name}")
                 args.append((name, f"f{i}_{name}", tuple(a.shape), a.dtype))
             else:
-                j, k, shape, _ = source
+                j, k, at, shape, _ = source
                 out_name = phases[j].kernel.spec["output_names"][k]
-                args.append((name, f"f{j}_{out_name}", shape, a.dtype))
+                pointer = f"f{j}_{out_name}" + (f" + {at}" if at else "")
+                args.append((name, pointer, shape, a.dtype))
         plan.append(args)
     virtual = [_blocks(p.call["grid"], p.call["threadgroup"]) for p in phases]
     most = max(math.prod(v) for v in virtual)
@@ -187,7 +189,8 @@ def _blocks(grid, threadgroup) -> tuple[int, int, int]:
     return tuple(-(-g // t) for g, t in zip(grid, threadgroup, strict=True))
 
 
-def _constant(name: str, value) -> str:
+def template_constant(name: str, value) -> str:
+    """A template argument as the C line MLX writes for it."""
     if isinstance(value, bool):
         return f"constexpr bool {name} = {str(value).lower()};"
     if isinstance(value, int):
@@ -217,6 +220,8 @@ def header_units(header: str) -> list[str]:
     fused). Braces inside string and character literals do not count."""
     units, current, depth = [], [], 0
     for line in header.splitlines(keepends=True):
+        if not line.strip():
+            continue
         if depth == 0 and not current and line.lstrip().startswith("#"):
             units.append(line)
             continue
@@ -242,7 +247,7 @@ def _fused_spec(phases: list[Phase], plan: list, names: list[str], virtual: list
         spec, call = phase.kernel.spec, phase.call
         body = re.sub(r"\bblockIdx\b", "qwen38_vb", spec["source"])
         body = re.sub(r"\bgridDim\b", "qwen38_vg", body)
-        lines = [_constant(n, v) for n, v in call.get("template", ())]
+        lines = [template_constant(n, v) for n, v in call.get("template", ())]
         params, passed = [], []
         for name, fused_name, shape, dtype in args:
             lines += _shape_constants(name, shape, body)
@@ -312,16 +317,17 @@ def supported() -> bool:
 _AGREED: dict = {}
 
 
-def whole_prefix(a: mx.array, shape: tuple[int, ...]) -> mx.array:
-    """The first prod(shape) values of `a` as `shape` (what Capture.prefix stands for)."""
-    return a.reshape(-1)[: math.prod(shape)].reshape(shape)
+def whole_view(a: mx.array, offset: int, shape: tuple[int, ...]) -> mx.array:
+    """The prod(shape) values of `a` from flat `offset` on, as `shape` (what Capture.view
+    stands for)."""
+    return a.reshape(-1)[offset : offset + math.prod(shape)].reshape(shape)
 
 
 def agrees(key, build: Callable, blocks: int | None = None) -> bool:
-    """Whether build(prefix)'s launches, captured and fused, give what they give run one by
+    """Whether build(view)'s launches, captured and fused, give what they give run one by
     one, bit for bit, with no barrier wait giving up (decided once per `key`; a refusal
-    warns). build returns its outputs (None: nothing to fuse here); `prefix(a, shape)` is
-    whole_prefix, or Capture.prefix while captured. QWEN38_FUSED_KERNEL: off (the default,
+    warns). build returns its outputs (None: nothing to fuse here); `view(a, offset, shape)`
+    is whole_view, or Capture.view while captured. QWEN38_FUSED_KERNEL: off (the default,
     until measured on a GPU) | auto | force (no probe)."""
     decided = switched("QWEN38_FUSED_KERNEL", supported, default="off")
     if decided:
@@ -331,12 +337,12 @@ def agrees(key, build: Callable, blocks: int | None = None) -> bool:
     if key in _AGREED:
         return _AGREED[key]
     try:
-        want = build(whole_prefix)
+        want = build(whole_view)
         if want is None:
             _AGREED[key] = False
             return False
         with capture() as taken:
-            stand_ins = build(taken.prefix)
+            stand_ins = build(taken.view)
         real = launch(taken, blocks)
         got = [real(s) for s in stand_ins]
         mx.eval(want, got, real.barrier)

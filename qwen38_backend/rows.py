@@ -365,6 +365,17 @@ def _kernel_product(
     return _finished(y if bias is None else y + bias, residual, dtype)
 
 
+def kernel_product(linear, x: mx.array) -> mx.array | None:
+    """linear(x) as one launch of the row-invariant kernel, nothing after it (a step's 2-D
+    rows, no bias), where this forward's plan runs it for these operands, else None: what
+    a fused launch takes as a phase (kernels/fused.py); the bits of `project`'s."""
+    weight = _unbiased_weight(linear, x)
+    kernels = kernel_module("rows_matmul")
+    if weight is None or x.shape[0] > STEP_MAX_ROWS or not kernels.fits(x, weight):
+        return None
+    return kernels.rows_matmul(x, weight)
+
+
 def gated_product(linear, x: mx.array, low_rank: int, streams: int) -> mx.array | None:
     """A gated residual's down (/ inject) product of a step's rows x [T, K] with its gates
     in the kernel's epilogue (kernels/rows_matmul.py, GATES): [T, N], silu(y / streams) in

@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from qwen38_backend.kernels import decode_attention, jit, rows_matmul
+from qwen38_backend.kernels.fused import C_TYPES, template_constant
 from qwen38_backend.kernels.grid_sync import GRID_BARRIER
 
 HEADER = r"""
@@ -311,26 +312,10 @@ struct Sigmoid {
 """
 MLX_INCLUDE = '#include "mlx/'
 
-C_TYPES = {
-    mx.bfloat16: "__nv_bfloat16",
-    mx.float16: "__half",
-    mx.float32: "float",
-    mx.int32: "int32_t",
-    mx.uint32: "uint32_t",
-    mx.uint64: "uint64_t",
-}
 # how an array of each dtype crosses to numpy and back (half types as their raw bits)
 _RAW = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16}
 _BUILT: dict[str, ctypes.CDLL] = {}
 _DIR = Path(tempfile.mkdtemp(prefix="qwen38_cuda_emulator_"))
-
-
-def _constant(name: str, value) -> str:
-    if isinstance(value, bool):
-        return f"constexpr bool {name} = {str(value).lower()};"
-    if isinstance(value, int):
-        return f"constexpr int {name} = {value};"
-    return f"using {name} = {C_TYPES[value]};"
 
 
 def _library(source: str) -> ctypes.CDLL:
@@ -356,13 +341,14 @@ class EmulatedKernel:
 
     def __init__(self, *, name, input_names, output_names, source, header="", shared_memory=0, **_):
         self.name, self.inputs, self.outputs = name, input_names, output_names
-        # what jit.Kernel keeps: a capture (kernels/fused.py) composes from it
+        # what jit.Kernel keeps (compacted, as jit passes it to MLX): a capture
+        # (kernels/fused.py) composes from it
         self.spec = dict(
             name=name,
             input_names=input_names,
             output_names=output_names,
-            source=source,
-            header=header,
+            source=jit.compact(source),
+            header=jit.compact(header),
             shared_memory=shared_memory,
         )
         for issued, landed in ASYNC.items():
@@ -430,7 +416,7 @@ class EmulatedKernel:
             keep.append(out)
             params.append(f"{C_TYPES[dtype]}* {name}")
             args.append(f"({C_TYPES[dtype]}*)p[{len(keep) - 1}]")
-        constants = "\n".join(_constant(n, v) for n, v in template)
+        constants = "\n".join(template_constant(n, v) for n, v in template)
         # a kernel that waits for the whole grid runs its blocks at once (see HEADER)
         grid_mode = GRID_BARRIER in self.header
         source = "\n".join(

@@ -127,3 +127,34 @@ def greedy_off_on(
     finally:
         mx.enable_compile()
         reset()
+
+
+def random_linear_block(dtype, seed: int = 3):
+    """A Flash-Next Gated DeltaNet layer (the tiny config with key and value heads of 32,
+    the Gated DeltaNet kernel's smallest) with random weights in `dtype`, fused as loaded,
+    and a one-row step's operands for its `_linear_step`: (R, the layer before's inject
+    weights and output, conv history, recurrent state)."""
+    import mlx.core as mx
+
+    from qwen38_backend.config import LINEAR, Qwen4ExpConfig
+    from qwen38_backend.models.layers import fuse_projections
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
+    from qwen38_backend.testing.tiny_qwen4_exp import text_config
+
+    config = text_config("tiny")
+    config.update(linear_key_head_dim=32, linear_value_head_dim=32)
+    cfg = Qwen4ExpConfig.from_dict(config)
+    mx.random.seed(seed)
+    block = Qwen4ExpBlock(cfg, LINEAR)
+    block.set_dtype(dtype)
+    fuse_projections(block)
+    mixer = block.linear_attn
+    H, S = cfg.hidden_size, cfg.hc_count
+    keys = mx.random.split(mx.random.key(seed + 5), 5)
+    R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
+    inj = mx.random.normal((1, S), key=keys[1]).astype(dtype)
+    out = mx.random.normal((1, H), key=keys[2]).astype(dtype)
+    conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[3]).astype(dtype)
+    shape = (mixer.n_v_heads, mixer.v_head_dim, mixer.k_head_dim)
+    recurrent = 0.1 * mx.random.normal(shape, key=keys[4])
+    return block, (R, inj, out, conv, recurrent)

@@ -9,8 +9,16 @@ import shutil
 import mlx.core as mx
 import pytest
 from cuda_emulator import clear_caches, emulate
-from helpers import greedy_off_on, random_gated_residual
-from qwen38_backend.kernels import fused, grid_sync, jit, moe_route, rows_matmul, stream_mix
+from helpers import greedy_off_on, random_gated_residual, random_linear_block
+from qwen38_backend.kernels import (
+    fused,
+    gdn_decode,
+    grid_sync,
+    jit,
+    moe_route,
+    rows_matmul,
+    stream_mix,
+)
 
 PHASE_MODULES = (stream_mix, rows_matmul, moe_route)
 
@@ -62,24 +70,24 @@ def _operands(dtype, hidden=64, streams=4, low_rank=16):
 @pytest.mark.parametrize("blocks", [1, 3])
 def test_a_close_norm_and_two_products_fuse_bit_for_bit(emulation, dtype, blocks):
     """The close + norm, the gated down / inject product and the mixed up product (whose
-    input is a prefix of the gated output) as one launch of 1 or 3 blocks (virtual blocks
+    input is the first columns of the gated output) as one launch of 1 or 3 blocks (virtual blocks
     in turn) equal the three launches bit for bit, every output, and every block arrived at
     both barriers."""
     hc, then, R, inj, out = _operands(dtype)
     L, S = then.lowrank, then.hc_count
     up = then.input_mix_weight_up.weight
 
-    def build(prefix):
+    def build(view):
         closed, normed, gated = _gated_residual_open(hc, R, inj, out, then)
-        x = rows_matmul.rows_matmul(prefix(gated, (1, L)), up, mix=(normed, S))
+        x = rows_matmul.rows_matmul(view(gated, 0, (1, L)), up, mix=(normed, S))
         return [closed, normed, gated, x]
 
     emulation(True)
-    want = build(fused.whole_prefix)
+    want = build(fused.whole_view)
     mx.eval(want)
     emulation(False)
     with fused.capture() as taken:
-        stand_ins = build(taken.prefix)
+        stand_ins = build(taken.view)
     assert len(taken.phases) == 3
     emulation(True)  # (the fused launch is emulated either way)
     real = fused.launch(taken, blocks)
@@ -98,12 +106,12 @@ def test_the_probe_passes_fused_launches_and_refuses_a_wrong_one(emulation, monk
     L, S = then.lowrank, then.hc_count
     up = then.input_mix_weight_up.weight
 
-    def build(prefix):
+    def build(view):
         # agrees() captures build with the modules as they are: jit Kernels while captured,
         # the emulation while not
         emulation(jit._CAPTURE.get() is None)
         closed, normed, gated = _gated_residual_open(hc, R, inj, out, then)
-        x = rows_matmul.rows_matmul(prefix(gated, (1, L)), up, mix=(normed, S))
+        x = rows_matmul.rows_matmul(view(gated, 0, (1, L)), up, mix=(normed, S))
         return [closed, normed, gated, x]
 
     fused.agrees.cache_clear()
@@ -223,3 +231,44 @@ def test_phases_sharing_helpers_define_them_once(emulation, dtype):
         assert mx.array_equal(real(s), w_).item()
     units = fused.header_units("namespace a {\nconst char* s = \"{\";\nchar c = '}';\n}\n#x\n")
     assert units == ["namespace a {\nconst char* s = \"{\";\nchar c = '}';\n}\n", "#x\n"]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_gated_deltanet_side_fuses_bit_for_bit(monkeypatch, dtype):
+    """A Flash-Next Gated DeltaNet layer's one-row step (key and value heads of 32, the
+    kernels' smallest) with the close, its mixer's open and the Gated DeltaNet (in-projection
+    split into four views of one output, the kernel, out_proj) as one launch: its probe
+    passes (the six launches' outputs fused equal them apart, bit for bit), and in fp32 every
+    output of the whole step (streams, MoE side, conv history, recurrent state) equals the
+    step with them apart."""
+    from qwen38_backend import rows
+
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    for module in (stream_mix, rows_matmul, gdn_decode, fused, grid_sync):
+        emulate(monkeypatch, module)
+    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
+    for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES", "STREAM_KERNEL", "GATES_KERNEL", "MIX_KERNEL"):
+        monkeypatch.setenv(f"QWEN38_{switch}", "force")
+    monkeypatch.setenv("QWEN38_GDN_KERNEL", "force")
+    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
+    block, (R, inj, out, conv, recurrent) = random_linear_block(dtype)
+    hc = block.attn_hyper_connection
+    with rows.unpadded():
+        rows.prepare(dtype)
+        block.prepare_decode(dtype)
+        # both probes passed: the six launches fused equal them apart, bit for bit
+        assert hc._fuse_for and block._fuse_linear_for
+        if dtype != mx.float32:
+            return  # the step's MoE runs on the op path here: MLX's CPU gather_mm is fp32 only
+        launches = []
+        real = fused.launch
+        monkeypatch.setattr(fused, "launch", lambda *a, **kw: launches.append(1) or real(*a))
+        together = block._linear_step(R, inj, out, conv, recurrent)
+        mx.eval(together)
+        assert len(launches) == 2  # the mixer side, then the MoE side's open
+        block._fuse_linear_for = hc._fuse_for = block.mlp_hyper_connection._fuse_for = ""
+        apart = block._linear_step(R, inj, out, conv, recurrent)
+    assert len(together) == len(apart)
+    for a, b in zip(together, apart, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()

@@ -1094,6 +1094,37 @@ def test_fused_opens_keep_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
     assert all(layer.mlp_hyper_connection._fuse_for for layer in layers)
 
 
+def test_a_fused_gated_deltanet_side_keeps_a_steps_bits(monkeypatch):
+    """A bf16 Flash-Next Gated DeltaNet layer (heads of 32) whose one-row step runs its
+    close, mixer open and Gated DeltaNet as one persistent launch (kernels/fused.py): both
+    fusion probes pass on the device, and every output of the step equals the step with the
+    launches apart, bit for bit."""
+    from helpers import random_linear_block
+    from qwen38_backend.kernels import fused
+
+    from qwen38_backend import rows
+
+    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
+    fused.agrees.cache_clear()
+    dtype = mx.bfloat16
+    block, (R, inj, out, conv, recurrent) = random_linear_block(dtype)
+    hc = block.attn_hyper_connection
+    calls = _count_calls(monkeypatch, fused, "launch")
+    with rows.unpadded():
+        rows.prepare(dtype)
+        block.prepare_decode(dtype)
+        assert hc._fuse_for and block._fuse_linear_for
+        probes = len(calls)
+        together = block._linear_step(R, inj, out, conv, recurrent)
+        mx.eval(together)
+        assert len(calls) == probes + 2  # the mixer side, then the MoE side's open
+        block._fuse_linear_for = hc._fuse_for = block.mlp_hyper_connection._fuse_for = ""
+        apart = block._linear_step(R, inj, out, conv, recurrent)
+    for a, b in zip(together, apart, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    fused.agrees.cache_clear()
+
+
 def test_steps_take_the_rows_kernel(gpu_models):
     """A bf16 forward on CUDA chooses the row-invariant kernel (its probe passed), so the
     verify tests below run it rather than padded products."""

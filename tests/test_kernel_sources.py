@@ -28,6 +28,7 @@ from qwen38_backend.kernels import (
     stream_mix,
     top_select,
 )
+from qwen38_backend.kernels.fused import C_TYPES, template_constant
 
 pytestmark = pytest.mark.nvcc
 
@@ -67,14 +68,6 @@ FACTORIES = (
     stream_mix._gates_kernel,
     stream_mix._mix_kernel,
 )
-C_TYPES = {
-    mx.bfloat16: "__nv_bfloat16",
-    mx.float16: "__half",
-    mx.float32: "float",
-    mx.int32: "int32_t",
-    mx.uint64: "uint64_t",
-    mx.uint32: "uint32_t",
-}
 # what MLX's headers give the product epilogues (binary_ops.cuh, unary_ops.cuh), in shape only
 MLX_OPS = """
 namespace mlx::core::cu {
@@ -127,14 +120,7 @@ def compiles(tmp_path, kernel: dict, types: dict, template: list) -> None:
         if f"{name}_ndim" in kernel["body"]:
             args.append(f"int {name}_ndim")
     args += [f"{types[name]}* {name}" for name in kernel["outputs"]]
-    constants = []
-    for name, value in template:
-        if isinstance(value, bool):
-            constants.append(f"constexpr bool {name} = {str(value).lower()};")
-        elif isinstance(value, int):
-            constants.append(f"constexpr int {name} = {value};")
-        else:
-            constants.append(f"using {name} = {C_TYPES[value]};")
+    constants = [template_constant(name, value) for name, value in template]
     lines = kernel["header"].splitlines()
     header = "\n".join(line for line in lines if not line.startswith('#include "mlx/'))
     # MLX's device ops only where the kernel includes them (a kernel naming them without
@@ -348,27 +334,45 @@ def test_grid_sync_kernels_compile(recorded, tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_a_fused_gated_residual_open_compiles(tmp_path, monkeypatch, dtype):
-    """kernels/fused.py's composition of a Flash-Next step's close + norm, gated down /
-    inject product and mixed up product (4 streams of 2560, low rank 320): the phases as
-    device functions, their constants in namespaces, the grid barrier between them."""
+@pytest.mark.parametrize("side", ["open", "gated deltanet"])
+def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
+    """kernels/fused.py's compositions at Flash-Next's shapes (4 streams of 2560, low rank
+    320; Gated DeltaNet 16 / 48 heads of 128): a step's close + norm, gated down / inject
+    product and mixed up product ("open"), and with the layer's in-projection, Gated DeltaNet
+    kernel (its inputs four views of one output) and out_proj ("gated deltanet"): the
+    phases as device functions, their constants in namespaces, grid barriers between them."""
     if shutil.which("nvcc") is None:
         pytest.fail("--run-nvcc needs nvcc on PATH")
     from qwen38_backend.kernels import fused
 
-    for module in (stream_mix, rows_matmul):
+    for module in (stream_mix, rows_matmul, gdn_decode):
         monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
     for factory in FACTORIES:
         factory.cache_clear()
     H, S, L = 2560, 4, 320
-    R, out = mx.zeros((1, S * H), dtype), mx.zeros((1, H), dtype)
+    hk, hv, d = 16, 48, 128
+    conv_dim, value_dim = 2 * hk * d + hv * d, hv * d
+
+    def zeros(*shape, dt=dtype):
+        return mx.zeros(shape, dt)
+
     with fused.capture() as taken:
         closed, normed = stream_mix.closed_norm(
-            R, mx.zeros((1, S), dtype), out, mx.zeros((S * H,), dtype), S, 1e-6
+            zeros(1, S * H), zeros(1, S), zeros(1, H), zeros(S * H), S, 1e-6
         )
-        gated = rows_matmul.rows_matmul(normed, mx.zeros((L + S, S * H), dtype), gates=(L, S))
-        up = mx.zeros((S * H, L), dtype)
-        rows_matmul.rows_matmul(taken.prefix(gated, (1, L)), up, mix=(normed, S))
+        gated = rows_matmul.rows_matmul(normed, zeros(L + S, S * H), gates=(L, S))
+        x = rows_matmul.rows_matmul(taken.view(gated, 0, (1, L)), zeros(S * H, L), mix=(normed, S))
+        if side == "gated deltanet":
+            y = rows_matmul.rows_matmul(x, zeros(conv_dim + value_dim + 2 * hv, H))
+            parts, at = [], 0
+            for size in (conv_dim, value_dim, hv, hv):
+                parts.append(taken.view(y, at, (1, size)))
+                at += size
+            o, _, _ = gdn_decode.gdn_decode_rows(
+                *parts, zeros(3, conv_dim), zeros(conv_dim, 4), zeros(hv), zeros(hv),
+                zeros(hv, d, d, dt=mx.float32), zeros(d), spec=(hk, hv, d, d, 1e-6, "sigmoid"),
+            )  # fmt: skip
+            rows_matmul.rows_matmul(o, zeros(H, value_dim))
     spec, inputs, _, _ = fused.compose(taken)
     dtypes = [a.dtype for a in inputs]
     dtypes += [d for p in taken.phases for d in p.call["output_dtypes"]] + [mx.uint32]

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from ..errors import ConfigError
 from ..kernel_import import kernel_module
-from ..rows import STEP_MAX_ROWS, project
+from ..rows import STEP_MAX_ROWS, kernel_product, project
 from ..state import Replayable, RewindError
 from .gated_delta import (
     CHUNK,
@@ -285,6 +285,28 @@ class GatedDeltaNet(nn.Module):
             states = mx.stack(rows)
         inputs = mx.concatenate([conv, qkv], axis=0) if T > 1 else last
         return o, last, inputs, states
+
+    def step_launches(self, x: mx.array, conv: mx.array, recurrent: mx.array, view):
+        """A one-row step as its three launches (the fused in-projection, the Gated DeltaNet
+        kernel, out_proj): [the output [1, hidden], the conv history after, the recurrent
+        state after [1, Hv, Dv, Dk]], in-projection's parts taken by `view(a, offset,
+        shape)` (kernels/fused.py), the bits of `step`'s; None where the step does not run
+        them (the products off the row-invariant kernel, the kernel not chosen)."""
+        if "in_proj_all" not in self or x.ndim != 2 or x.shape[0] != 1:
+            return None
+        y = kernel_product(self.in_proj_all, x)
+        if y is None or getattr(self, "_kernel_for", "") != str(y.dtype):
+            return None
+        parts, at = [], 0
+        for size in (self.conv_dim, self.value_dim, self.n_v_heads, self.n_v_heads):
+            parts.append(view(y, at, (1, size)))
+            at += size
+        weights = (self.conv1d.weight[:, :, 0].astype(y.dtype), self.A_log, self.dt_bias)
+        o, last, states = kernel_module("gdn_decode").gdn_decode_rows(
+            *parts, conv, *weights, recurrent, self.norm.weight, spec=self._core_spec()
+        )
+        out = kernel_product(self.out_proj, o)
+        return None if out is None else [out, last, states]
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 

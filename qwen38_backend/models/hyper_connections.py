@@ -115,13 +115,13 @@ class GatedResidual(nn.Module):
         products = (self.down_inject_proj, self.input_mix_weight_up)
         weights = [(type(p).__name__, str(p.weight.dtype)) for p in products]
         key = ("gated residual open", H, S, self.lowrank, self.hc_norm.eps, str(dtype), weights)
-        return fused.agrees(str(key), lambda prefix: self._open_launches(R, inj, out, prefix))
+        return fused.agrees(str(key), lambda view: self._open_launches(R, inj, out, view))
 
-    def _open_launches(self, R: mx.array, inj: mx.array, out: mx.array, prefix):
+    def _open_launches(self, R: mx.array, inj: mx.array, out: mx.array, view):
         """[the closed streams, the block input, the gated down / inject product] of the
         close of R with (inj, out) then this residual's open, as three launches (the stream
         kernels' closed norm, the gated and the mixed products), or None where a product
-        does not take its kernel; `prefix(a, shape)`: a prefix of an output (fused.py)."""
+        does not take its kernel; `view(a, offset, shape)`: a stretch of an output (fused.py)."""
         L, S = self.lowrank, self.hc_count
         streams = kernel_module("stream_mix")
         norm = self.hc_norm
@@ -129,7 +129,7 @@ class GatedResidual(nn.Module):
         gated = gated_product(self.down_inject_proj, normed, L, S)
         if gated is None:
             return None
-        x = mixed_product(self.input_mix_weight_up, prefix(gated, (1, L)), normed, S)
+        x = mixed_product(self.input_mix_weight_up, view(gated, 0, (1, L)), normed, S)
         return None if x is None else [closed, x, gated]
 
     def _kernels(self, R: mx.array) -> ModuleType | None:
@@ -216,7 +216,7 @@ class GatedResidual(nn.Module):
         if fuses and inj.dtype == out.dtype == R.dtype and self._kernels(R) is not None:
             fused = kernel_module("fused")
             with fused.capture() as taken:
-                launches = then._open_launches(R, inj, out, taken.prefix)
+                launches = then._open_launches(R, inj, out, taken.view)
             if launches is not None:
                 real = fused.launch(taken)
                 closed, x, gated = (real(a) for a in launches)

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from .. import rows, scalars
 from ..config import LINEAR, QSA, Qwen4ExpConfig
 from ..errors import InvalidOptionError, WeightsError
+from ..kernel_import import kernel_module
 from ..kv.contiguous import ContiguousKV
 from ..rows import STEP_MAX_ROWS, unpadded
 from ..state import SequenceState
@@ -206,7 +207,63 @@ class Qwen4ExpBlock(nn.Module):
         self.mlp.prepare_decode()
         self.attn_hyper_connection.prepare_decode(dtype)
         self.mlp_hyper_connection.prepare_decode(dtype)
+        self._fuse_linear_for = str(dtype) if self._fuses_linear(dtype) else ""
         self._prepared = dtype
+
+    _fuse_linear_for = ""  # the dtype whose one-row mixer side is one launch ("": none)
+
+    def _fuses_linear(self, dtype: mx.Dtype) -> bool:
+        """Whether a one-row step's close, this layer's mixer open and its Gated DeltaNet
+        (in-projection, the kernel, out_proj) run as one launch with the bits of the six
+        (kernels/fused.py; probed on random streams and state, once per shape)."""
+        fused = kernel_module("fused")
+        hc = self.attn_hyper_connection
+        if not self.is_linear or fused is None or not hc._fuse_for:
+            return False
+        mixer = self.linear_attn
+        mixer.prepare_decode(dtype)
+        H, S = hc.hidden, hc.hc_count
+        keys = mx.random.split(mx.random.key(43), 5)
+        R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
+        unclosed = (
+            mx.random.normal((1, S), key=keys[1]).astype(dtype),
+            mx.random.normal((1, H), key=keys[2]).astype(dtype),
+        )
+        conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[3])
+        state = (mixer.n_v_heads, mixer.v_head_dim, mixer.k_head_dim)
+        recurrent = 0.1 * mx.random.normal(state, key=keys[4])
+        products = (mixer.in_proj_all, mixer.out_proj) if "in_proj_all" in mixer else ()
+        kinds = [(type(p).__name__, str(p.weight.dtype)) for p in products]
+        key = ("gated deltanet side", H, S, hc.lowrank, mixer._core_spec(), state, dtype, kinds)
+        return fused.agrees(
+            str(key),
+            lambda view: self._linear_launches(R, unclosed, conv.astype(dtype), recurrent, view),
+        )
+
+    def _linear_launches(self, R, unclosed: tuple, conv, recurrent, view) -> list | None:
+        """[closed streams, block input, gated product, mixer output, conv history, recurrent
+        state] of a one-row step's close, this layer's mixer open and its Gated DeltaNet as
+        launches (GatedResidual._open_launches, GatedDeltaNet.step_launches), or None."""
+        opened = self.attn_hyper_connection._open_launches(R, *unclosed, view)
+        if opened is None:
+            return None
+        stepped = self.linear_attn.step_launches(opened[1], conv, recurrent, view)
+        return None if stepped is None else [*opened, *stepped]
+
+    def _fused_linear(self, R, unclosed: tuple, conv, recurrent) -> tuple | None:
+        """(R closed, the inject weights, the mixer output, its conv history, its recurrent
+        state) of a one-row step as one fused launch, or None (then apart)."""
+        hc, (inj, out) = self.attn_hyper_connection, unclosed
+        if not (inj.dtype == out.dtype == R.dtype) or hc._kernels(R) is None:
+            return None
+        fused = kernel_module("fused")
+        with fused.capture() as taken:
+            launches = self._linear_launches(R, unclosed, conv, recurrent, taken.view)
+        if launches is None:
+            return None
+        real = fused.launch(taken)
+        closed, _, gated, out, last, states = (real(a) for a in launches)
+        return closed, gated[:, hc.lowrank :], out, last, states
 
     def decode_linear(
         self, R: mx.array, state: GatedDeltaNetState, unclosed: tuple
@@ -241,6 +298,11 @@ class Qwen4ExpBlock(nn.Module):
         """args: the layer before's `unclosed` (maybe none), then the conv and recurrent
         states; returns (R, inject weights, MoE output, *GatedDeltaNetState.advance's)."""
         *unclosed, conv, recurrent = args
+        if unclosed and self._fuse_linear_for == str(R.dtype) and R.shape[0] == 1:
+            fused = self._fused_linear(R, tuple(unclosed), conv, recurrent)
+            if fused is not None:  # (a one-row step's conv inputs are its history)
+                R, inj, out, last, states = fused
+                return *self._moe_step(R, inj, out), last, last, states
         R, x, inj = self._open(R, unclosed)
         out, *new = self.linear_attn.step(x, conv, recurrent)
         return *self._moe_step(R, inj, out), *new
