@@ -33,8 +33,9 @@ each phase, so a call cut off at its time limit still leaves a record):
   stream_mix.py, expert_qmv.py, top_select.py; "qk": QSA's q/k norms and RoPE,
   qk_norm_rope.py; "gates" / "mix": the gated residuals' gates / block-input mix in their
   products' epilogues, rows_matmul.py; "fused": a step's close with the next gated
-  residual's norm and both its products as one persistent launch, fused.py (off by default
-  until measured); "inplace": QSA steps reading their chosen
+  residual's norm and both its products as one persistent launch, and a Gated DeltaNet
+  layer's close, mixer open and Gated DeltaNet as one, fused.py (off by default until
+  measured); "inplace": QSA steps reading their chosen
   blocks in place through kernels/decode_attention.py; the rest off), the sets taking turns run by
   run, the layers that chose them, whether the tokens are the default's and the first that
   is not (against the default's gap between its two largest logits at each step,
@@ -393,6 +394,7 @@ def by_step_kernels(args, model, state, first: int, want: list[int], bound: floa
                     for layer in layers
                     for m in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
                 ),
+                "fused_linear": sum(bool(layer._fuse_linear_for) for layer in layers),
                 "qk": sum(
                     bool(layer.self_attn._qk_kernel_for) for layer in layers if not layer.is_linear
                 ),
