@@ -250,34 +250,69 @@ def routed_sum(
     [E, H, I / 8] words). Plus sigmoid(gate) * the shared expert's output in the same
     launches: `shared` (gate [T, 1], its output [T, H]) given, or `shared_weights` (gate
     [T, 1], its dense gate / up rows [2I, H] and down rows [H, I] in x's dtype) run as one
-    more pair of each row. Returns [T, H] in x's dtype."""
+    more pair of each row. Returns [T, H] in x's dtype. Two launches: `activations`, then
+    `summed`."""
+    shared_gate_up = None if shared_weights is None else shared_weights[1]
+    h = activations(x, inds, gate_up, group_size, shared_gate_up)
+    return summed(h, inds, weights, down, group_size, x.shape[1], shared, shared_weights)
+
+
+def activations(
+    x: mx.array,
+    inds: mx.array,
+    gate_up: dict,
+    group_size: int,
+    shared_gate_up: mx.array | None = None,
+) -> mx.array:
+    """The up launch: silu(gate) * up of every (row, expert) pair [T * pairs, I], the shared
+    expert's pair last where its dense gate / up rows are given."""
     T_, hidden = x.shape
     k = inds.shape[1]
     inter = gate_up["weight"].shape[1] // 2
-    dtype = x.dtype
-    form = "weights" if shared_weights is not None else "values" if shared is not None else ""
-    pairs = k + (form == "weights")
-    template = [("T", dtype), ("H", hidden), ("I", inter), ("G", group_size), ("KT", k)]
-    template.append(("PAIRS", pairs))
-    up_extra = [shared_weights[1]] if form == "weights" else []
-    (h,) = _up_kernel(form == "weights")(
-        inputs=[x, inds, gate_up["weight"], gate_up["scales"], gate_up["biases"], *up_extra],
-        template=template,
+    pairs = k + (shared_gate_up is not None)
+    (h,) = _up_kernel(shared_gate_up is not None)(
+        inputs=[x, inds, gate_up["weight"], gate_up["scales"], gate_up["biases"]]
+        + ([] if shared_gate_up is None else [shared_gate_up]),
+        template=_template(x.dtype, hidden, inter, group_size, k, pairs),
         grid=(-(-inter // WARPS) * THREADS, T_ * pairs, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(T_ * pairs, inter)],
-        output_dtypes=[dtype],
+        output_dtypes=[x.dtype],
     )
+    return h
+
+
+def summed(
+    h: mx.array,
+    inds: mx.array,
+    weights: mx.array,
+    down: dict,
+    group_size: int,
+    hidden: int,
+    shared: tuple[mx.array, mx.array] | None = None,
+    shared_weights: tuple[mx.array, mx.array, mx.array] | None = None,
+) -> mx.array:
+    """The down launch: each row's pairs' down products weighted and summed [T, hidden],
+    the shared expert's gated output added (`shared` given, or `shared_weights`: its pair,
+    last in h, run here)."""
+    T_, k = inds.shape
+    inter = h.shape[1]
+    form = "weights" if shared_weights is not None else "values" if shared is not None else ""
+    pairs = k + (form == "weights")
     extra = [*(shared_weights or shared or ())]  # the gate first, as SHARED_INPUTS names them
     (out,) = _down_kernel(form)(
         inputs=[h, inds, weights, down["weight"], down["scales"], down["biases"], *extra],
-        template=template,
+        template=_template(h.dtype, hidden, inter, group_size, k, pairs),
         grid=(hidden * pairs * 32, T_, 1),
         threadgroup=(pairs * 32, 1, 1),
         output_shapes=[(T_, hidden)],
-        output_dtypes=[dtype],
+        output_dtypes=[h.dtype],
     )
     return out
+
+
+def _template(dtype: mx.Dtype, hidden: int, inter: int, group: int, k: int, pairs: int) -> list:
+    return [("T", dtype), ("H", hidden), ("I", inter), ("G", group), ("KT", k), ("PAIRS", pairs)]
 
 
 def fits(x: mx.array, experts, k: int) -> bool:

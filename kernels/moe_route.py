@@ -29,7 +29,7 @@ import mlx.core as mx
 from .jit import cuda_kernel
 from .switch import switched
 
-THREADS = 128
+THREADS = 256  # the other step kernels' count, so a routing launch can fuse with them (fused.py)
 WARPS = THREADS // 32
 MAX_EXPERTS = 32 * 32  # 32 logits a lane in registers
 

@@ -9,8 +9,9 @@ import shutil
 import mlx.core as mx
 import pytest
 from cuda_emulator import clear_caches, emulate
-from helpers import greedy_off_on, random_gated_residual, random_linear_block
+from helpers import greedy_off_on, random_gated_residual, random_linear_block, random_moe
 from qwen38_backend.kernels import (
+    expert_qmv,
     fused,
     gdn_decode,
     grid_sync,
@@ -133,14 +134,20 @@ def test_the_probe_passes_fused_launches_and_refuses_a_wrong_one(emulation, monk
 
 
 def test_what_cannot_fuse_is_refused_before_it_runs(emulation):
-    """Phases of different thread counts (the routing kernel's 128 beside a product's
-    256), or nothing captured, are refused by name."""
+    """Phases of different thread counts (a product's 256 beside a kernel of 128), or
+    nothing captured, are refused by name."""
     emulation(False)
-    logits = mx.zeros((1, 64))
-    w = mx.zeros((8, 64))
+    x = mx.zeros((1, 64))
+    narrow = jit.cuda_kernel(name="narrow", input_names=["x"], output_names=["y"], source="")
     with fused.capture() as taken:
-        rows_matmul.rows_matmul(logits, w)
-        moe_route.route(logits, 4, True)
+        rows_matmul.rows_matmul(x, mx.zeros((8, 64)))
+        narrow(
+            inputs=[x],
+            grid=(128, 1, 1),
+            threadgroup=(128, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.float32],
+        )
     with pytest.raises(ValueError, match="one 1-D thread count"):
         fused.launch(taken, 2)
     with fused.capture() as empty:
@@ -272,3 +279,54 @@ def test_a_gated_deltanet_side_fuses_bit_for_bit(monkeypatch, dtype):
     assert len(together) == len(apart)
     for a, b in zip(together, apart, strict=True):
         assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def test_a_moe_side_fuses_bit_for_bit(monkeypatch):
+    """A Flash-Next layer's one-row MoE side (8 experts of 64, 4-bit, 2 a token, its shared
+    expert fused into the expert kernels), bf16, with everything emulated: the close, the
+    MoE's open, the router product, the routing and the experts' up launch as one launch,
+    then the down launch; its probe passes, and every output of the whole step equals the
+    step with the launches apart, bit for bit."""
+    from qwen38_backend import rows
+
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    modules = (stream_mix, rows_matmul, gdn_decode, moe_route, expert_qmv, fused, grid_sync)
+    for module in modules:
+        emulate(monkeypatch, module)
+    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
+    for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES", "STREAM_KERNEL", "GATES_KERNEL", "MIX_KERNEL"):
+        monkeypatch.setenv(f"QWEN38_{switch}", "force")
+    # (the expert kernels' bf16 probe cannot pass on the CPU: kernels/expert_qmv.py)
+    for switch in ("GDN_KERNEL", "ROUTE_KERNEL", "EXPERT_KERNEL"):
+        monkeypatch.setenv(f"QWEN38_{switch}", "force")
+    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
+    dtype = mx.bfloat16
+    block, (R, inj, out, conv, recurrent) = random_linear_block(dtype)
+    moe = random_moe(64, 8, 2, 64, seed=4)
+    moe.set_dtype(dtype)
+    moe.shared_expert.fuse()
+    moe.fuse()
+    block.mlp = moe
+    with rows.unpadded():
+        rows.prepare(dtype)
+        block.prepare_decode(dtype)
+        assert block._fuse_moe_for and block._fuse_linear_for  # every probe passed
+        launches = _count(monkeypatch, fused, "launch")
+        downs = _count(monkeypatch, expert_qmv, "summed")
+        together = block._linear_step(R, inj, out, conv, recurrent)
+        mx.eval(together)
+        assert (len(launches), len(downs)) == (2, 1)  # the mixer side, the MoE side; down
+        block._fuse_moe_for = block._fuse_linear_for = ""
+        for hc in (block.attn_hyper_connection, block.mlp_hyper_connection):
+            hc._fuse_for = ""
+        apart = block._linear_step(R, inj, out, conv, recurrent)
+    assert len(launches) == 2  # none fused apart
+    for a, b in zip(together, apart, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def _count(monkeypatch, module, name: str) -> list:
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls

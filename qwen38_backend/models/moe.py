@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernel_import import kernel_module
-from ..rows import STEP_MAX_ROWS, per_row
+from ..rows import STEP_MAX_ROWS, kernel_product, per_row
 from .layers import SwiGLU, can_fuse, fuse_linears, sum_fp32
 from .parallel import all_sum, part_of, ranks, require_divisible
 
@@ -280,6 +280,38 @@ class SparseMoE(nn.Module):
                 return kernel.routed_sum(*args, shared_weights=weights_of)
             return kernel.routed_sum(*args, shared=(gate, se(x)))
         return weighted_experts(self.experts, x, inds, weights) + self._shared(x, gate)
+
+    def step_launches(self, x: mx.array, view) -> list[mx.array] | None:
+        """A one-row step's MoE up to its last launch, as launches (kernels/fused.py): the
+        fused router product, the routing kernel and the experts' up launch with the shared
+        expert's pair: [activations, expert ids, weights, the shared expert's gate logit],
+        the router's outputs taken by `view(a, offset, shape)`; `finish` then runs the down
+        launch. None where the step does not run these kernels (then `__call__`)."""
+        if "router_gate_proj" not in self or not self._fused(x) or x.shape[0] != 1:
+            return None
+        se, kernel = self.shared_expert, kernel_module("expert_qmv")
+        if not kernel.runs_shared(se, x.dtype):
+            return None
+        y = kernel_product(self.router_gate_proj, x)
+        if y is None or self._route_for != str(y.dtype):
+            return None
+        logits = view(y, 0, (1, self.router_width))
+        gate = view(y, self.router_width, (1, 1))
+        routing = kernel_module("moe_route")
+        if not routing.fits(logits, self.top_k):
+            return None
+        inds, weights = routing.route(logits, self.top_k, self.norm_topk_prob)
+        e = self.experts
+        h = kernel.activations(x, inds, e.gate_up_proj, e.group_size, se.gate_up_proj.weight)
+        return [h, inds, weights, gate]
+
+    def finish(self, h: mx.array, inds: mx.array, weights: mx.array, gate: mx.array):
+        """The MoE's output [1, hidden] from `step_launches`' outputs: the down launch."""
+        se, e = self.shared_expert, self.experts
+        shared = (gate, se.gate_up_proj.weight, se.down_proj.weight)
+        return kernel_module("expert_qmv").summed(
+            h, inds, weights, e.down_proj, e.group_size, e.hidden, shared_weights=shared
+        )
 
     def _shared(self, x: mx.array, gate: mx.array) -> mx.array:
         """The gated shared expert; `gate`: its gate logit (`logits`' second output)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .. import rows, scalars
 from ..config import LINEAR, QSA, Qwen4ExpConfig
@@ -208,9 +209,43 @@ class Qwen4ExpBlock(nn.Module):
         self.attn_hyper_connection.prepare_decode(dtype)
         self.mlp_hyper_connection.prepare_decode(dtype)
         self._fuse_linear_for = str(dtype) if self._fuses_linear(dtype) else ""
+        self._fuse_moe_for = str(dtype) if self._fuses_moe(dtype) else ""
         self._prepared = dtype
 
     _fuse_linear_for = ""  # the dtype whose one-row mixer side is one launch ("": none)
+    _fuse_moe_for = ""  # the dtype whose one-row MoE side is two launches ("": none)
+
+    def _step_operands(self, dtype: mx.Dtype, seed: int) -> tuple[mx.array, tuple]:
+        """Random one-row streams and a block's (inject weights, output) to close: a probe's."""
+        H, S = self.attn_hyper_connection.hidden, self.attn_hyper_connection.hc_count
+        keys = mx.random.split(mx.random.key(seed), 3)
+        R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
+        inj = mx.random.normal((1, S), key=keys[1]).astype(dtype)
+        return R, (inj, mx.random.normal((1, H), key=keys[2]).astype(dtype))
+
+    def _fuses_moe(self, dtype: mx.Dtype) -> bool:
+        """Whether a one-row step's close, the MoE's open and its MoE up to the experts' down
+        launch (router product, routing, the experts' up launch) run as one launch with the
+        bits of the six (kernels/fused.py; probed on random streams, once per shape)."""
+        fused, hc, moe = kernel_module("fused"), self.mlp_hyper_connection, self.mlp
+        if fused is None or not hc._fuse_for or "router_gate_proj" not in moe:
+            return False
+        R, unclosed = self._step_operands(dtype, 47)
+        e = moe.experts
+        shape = (e.num_experts, moe.top_k, e.hidden, e.intermediate, getattr(e, "group_size", 0))
+        weights = [moe.router_gate_proj.weight, *(v for _, v in tree_flatten(e.parameters()))]
+        kinds = [str(v.dtype) for v in weights]
+        key = ("moe side", hc.hc_count, hc.lowrank, shape, str(dtype), kinds)
+        return fused.agrees(str(key), lambda view: self._moe_launches(R, *unclosed, view))
+
+    def _moe_launches(self, R, inj, out, view) -> list | None:
+        """[closed streams, the MoE's input, gated product, then SparseMoE.step_launches'] of
+        a one-row step's close, the MoE's open and its MoE up to the down launch, or None."""
+        opened = self.mlp_hyper_connection._open_launches(R, inj, out, view)
+        if opened is None:
+            return None
+        moe = self.mlp.step_launches(opened[1], view)
+        return None if moe is None else [*opened, *moe]
 
     def _fuses_linear(self, dtype: mx.Dtype) -> bool:
         """Whether a one-row step's close, this layer's mixer open and its Gated DeltaNet
@@ -223,15 +258,11 @@ class Qwen4ExpBlock(nn.Module):
         mixer = self.linear_attn
         mixer.prepare_decode(dtype)
         H, S = hc.hidden, hc.hc_count
-        keys = mx.random.split(mx.random.key(43), 5)
-        R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
-        unclosed = (
-            mx.random.normal((1, S), key=keys[1]).astype(dtype),
-            mx.random.normal((1, H), key=keys[2]).astype(dtype),
-        )
-        conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[3])
+        R, unclosed = self._step_operands(dtype, 43)
+        keys = mx.random.split(mx.random.key(44), 2)
+        conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[0])
         state = (mixer.n_v_heads, mixer.v_head_dim, mixer.k_head_dim)
-        recurrent = 0.1 * mx.random.normal(state, key=keys[4])
+        recurrent = 0.1 * mx.random.normal(state, key=keys[1])
         products = (mixer.in_proj_all, mixer.out_proj) if "in_proj_all" in mixer else ()
         kinds = [(type(p).__name__, str(p.weight.dtype)) for p in products]
         key = ("gated deltanet side", H, S, hc.lowrank, mixer._core_spec(), state, dtype, kinds)
@@ -322,6 +353,15 @@ class Qwen4ExpBlock(nn.Module):
         in one launch where the stream kernels run): (R, the MoE's inject weights, its
         output), closed by the next layer (`unclosed`)."""
         hc, mlp_hc = self.attn_hyper_connection, self.mlp_hyper_connection
+        fuses = self._fuse_moe_for == str(R.dtype) and R.ndim == 2 and R.shape[0] == 1
+        if fuses and inj.dtype == out.dtype == R.dtype and hc._kernels(R) is not None:
+            fused = kernel_module("fused")
+            with fused.capture() as taken:
+                launches = self._moe_launches(R, inj, out, taken.view)
+            if launches is not None:  # the close to the experts' up launch, then the down
+                real = fused.launch(taken)
+                closed, _, gated, *moe = (real(a) for a in launches)
+                return closed, gated[:, mlp_hc.lowrank :], self.mlp.finish(*moe)
         R, x, inj = hc.close_then_open(R, inj, out, mlp_hc)
         return R, inj, self.mlp(x)
 
