@@ -1094,12 +1094,14 @@ def test_fused_opens_keep_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
     assert all(layer.mlp_hyper_connection._fuse_for for layer in layers)
 
 
-def test_a_fused_gated_deltanet_side_keeps_a_steps_bits(monkeypatch):
-    """A bf16 Flash-Next Gated DeltaNet layer (heads of 32) whose one-row step runs its
-    close, mixer open and Gated DeltaNet as one persistent launch (kernels/fused.py): both
-    fusion probes pass on the device, and every output of the step equals the step with the
+def test_a_fused_flash_next_layer_step_keeps_its_bits(monkeypatch):
+    """A bf16 Flash-Next Gated DeltaNet layer (heads of 32; 8 experts of 64 in 4-bit, its
+    shared expert run in the expert kernels) whose one-row step runs as three launches
+    (kernels/fused.py: the close, mixer open and Gated DeltaNet as one; the close, MoE open,
+    router, routing and experts' up launch as one; the experts' down launch): every fusion
+    probe passes on the device, and every output of the step equals the step with the
     launches apart, bit for bit."""
-    from helpers import random_linear_block
+    from helpers import random_linear_block, random_moe
     from qwen38_backend.kernels import fused
 
     from qwen38_backend import rows
@@ -1108,17 +1110,23 @@ def test_a_fused_gated_deltanet_side_keeps_a_steps_bits(monkeypatch):
     fused.agrees.cache_clear()
     dtype = mx.bfloat16
     block, (R, inj, out, conv, recurrent) = random_linear_block(dtype)
-    hc = block.attn_hyper_connection
+    moe = random_moe(64, 8, 2, 64, seed=4)
+    moe.set_dtype(dtype)
+    moe.shared_expert.fuse()
+    moe.fuse()
+    block.mlp = moe
     calls = _count_calls(monkeypatch, fused, "launch")
     with rows.unpadded():
         rows.prepare(dtype)
         block.prepare_decode(dtype)
-        assert hc._fuse_for and block._fuse_linear_for
+        assert block._fuse_linear_for and block._fuse_moe_for
         probes = len(calls)
         together = block._linear_step(R, inj, out, conv, recurrent)
         mx.eval(together)
-        assert len(calls) == probes + 2  # the mixer side, then the MoE side's open
-        block._fuse_linear_for = hc._fuse_for = block.mlp_hyper_connection._fuse_for = ""
+        assert len(calls) == probes + 2  # the mixer side, the MoE side
+        block._fuse_linear_for = block._fuse_moe_for = ""
+        for hc in (block.attn_hyper_connection, block.mlp_hyper_connection):
+            hc._fuse_for = ""
         apart = block._linear_step(R, inj, out, conv, recurrent)
     for a, b in zip(together, apart, strict=True):
         assert a.shape == b.shape and mx.array_equal(a, b).item()
