@@ -129,11 +129,12 @@ def greedy_off_on(
         reset()
 
 
-def random_linear_block(dtype, seed: int = 3):
+def random_linear_block(dtype, seed: int = 3, quantized_moe: bool = False):
     """A Flash-Next Gated DeltaNet layer (the tiny config with key and value heads of 32,
     the Gated DeltaNet kernel's smallest) with random weights in `dtype`, fused as loaded,
     and a one-row step's operands for its `_linear_step`: (R, the layer before's inject
-    weights and output, conv history, recurrent state)."""
+    weights and output, conv history, recurrent state). `quantized_moe`: its MoE 8 experts
+    of 64 in 4-bit, 2 a token, the shared expert fused (what the expert kernels run)."""
     import mlx.core as mx
 
     from qwen38_backend.config import LINEAR, Qwen4ExpConfig
@@ -146,6 +147,8 @@ def random_linear_block(dtype, seed: int = 3):
     cfg = Qwen4ExpConfig.from_dict(config)
     mx.random.seed(seed)
     block = Qwen4ExpBlock(cfg, LINEAR)
+    if quantized_moe:
+        block.mlp = random_moe(cfg.hidden_size, 8, 2, 64, seed=seed + 1)
     block.set_dtype(dtype)
     fuse_projections(block)
     mixer = block.linear_attn

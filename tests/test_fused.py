@@ -9,7 +9,7 @@ import shutil
 import mlx.core as mx
 import pytest
 from cuda_emulator import clear_caches, emulate
-from helpers import greedy_off_on, random_gated_residual, random_linear_block, random_moe
+from helpers import greedy_off_on, random_gated_residual, random_linear_block
 from qwen38_backend.kernels import (
     expert_qmv,
     fused,
@@ -302,12 +302,7 @@ def test_a_moe_side_fuses_bit_for_bit(monkeypatch):
         monkeypatch.setenv(f"QWEN38_{switch}", "force")
     monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
     dtype = mx.bfloat16
-    block, (R, inj, out, conv, recurrent) = random_linear_block(dtype)
-    moe = random_moe(64, 8, 2, 64, seed=4)
-    moe.set_dtype(dtype)
-    moe.shared_expert.fuse()
-    moe.fuse()
-    block.mlp = moe
+    block, (R, inj, out, conv, recurrent) = random_linear_block(dtype, quantized_moe=True)
     with rows.unpadded():
         rows.prepare(dtype)
         block.prepare_decode(dtype)

@@ -1101,7 +1101,7 @@ def test_a_fused_flash_next_layer_step_keeps_its_bits(monkeypatch):
     router, routing and experts' up launch as one; the experts' down launch): every fusion
     probe passes on the device, and every output of the step equals the step with the
     launches apart, bit for bit."""
-    from helpers import random_linear_block, random_moe
+    from helpers import random_linear_block
     from qwen38_backend.kernels import fused
 
     from qwen38_backend import rows
@@ -1109,12 +1109,7 @@ def test_a_fused_flash_next_layer_step_keeps_its_bits(monkeypatch):
     monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
     fused.agrees.cache_clear()
     dtype = mx.bfloat16
-    block, (R, inj, out, conv, recurrent) = random_linear_block(dtype)
-    moe = random_moe(64, 8, 2, 64, seed=4)
-    moe.set_dtype(dtype)
-    moe.shared_expert.fuse()
-    moe.fuse()
-    block.mlp = moe
+    block, (R, inj, out, conv, recurrent) = random_linear_block(dtype, quantized_moe=True)
     calls = _count_calls(monkeypatch, fused, "launch")
     with rows.unpadded():
         rows.prepare(dtype)
