@@ -334,18 +334,21 @@ def test_grid_sync_kernels_compile(recorded, tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("side", ["open", "gated deltanet"])
+@pytest.mark.parametrize("side", ["open", "gated deltanet", "moe"])
 def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
     """kernels/fused.py's compositions at Flash-Next's shapes (4 streams of 2560, low rank
     320; Gated DeltaNet 16 / 48 heads of 128): a step's close + norm, gated down / inject
     product and mixed up product ("open"), and with the layer's in-projection, Gated DeltaNet
     kernel (its inputs four views of one output) and out_proj ("gated deltanet"): the
-    phases as device functions, their constants in namespaces, grid barriers between them."""
+    phases as device functions, their constants in namespaces, grid barriers between them;
+    "moe": the open with the router product (512 experts + the shared gate), the routing
+    kernel (its inputs views of that output) and the experts' up launch (4-bit, 10 a
+    token, 640 wide, the shared expert's pair last)."""
     if shutil.which("nvcc") is None:
         pytest.fail("--run-nvcc needs nvcc on PATH")
     from qwen38_backend.kernels import fused
 
-    for module in (stream_mix, rows_matmul, gdn_decode):
+    for module in (stream_mix, rows_matmul, gdn_decode, moe_route, expert_qmv):
         monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
     for factory in FACTORIES:
         factory.cache_clear()
@@ -373,6 +376,16 @@ def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
                 zeros(hv, d, d, dt=mx.float32), zeros(d), spec=(hk, hv, d, d, 1e-6, "sigmoid"),
             )  # fmt: skip
             rows_matmul.rows_matmul(o, zeros(H, value_dim))
+        if side == "moe":
+            E, k, inter, g = 512, 10, 640, 64
+            y = rows_matmul.rows_matmul(x, zeros(E + 1, H))
+            inds, _ = moe_route.route(taken.view(y, 0, (1, E)), k, True)
+            stack = {
+                "weight": zeros(E, 2 * inter, H // 8, dt=mx.uint32),
+                "scales": zeros(E, 2 * inter, H // g),
+                "biases": zeros(E, 2 * inter, H // g),
+            }
+            expert_qmv.activations(x, inds, stack, g, zeros(2 * inter, H))
     spec, inputs, _, _ = fused.compose(taken)
     dtypes = [a.dtype for a in inputs]
     dtypes += [d for p in taken.phases for d in p.call["output_dtypes"]] + [mx.uint32]
