@@ -972,7 +972,8 @@ def test_step_products_go_to_the_rows_kernel_where_chosen(monkeypatch):
 
     monkeypatch.setattr(kernels, "rows_matmul", row_by_row)
     monkeypatch.setattr(kernels, "available", lambda dtype: dtype == mx.float32)
-    monkeypatch.setattr(kernels, "epilogues_available", lambda dtype: False)  # plain products
+    for epilogues in ("epilogues_available", "gates_available", "mix_available"):
+        monkeypatch.setattr(kernels, epilogues, lambda dtype: False)  # plain products
     biased, plain = nn.Linear(8, 5), nn.Linear(8, 5, bias=False)
     embedding = nn.Embedding(7, 8)
     quantized = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=32, bits=4)
