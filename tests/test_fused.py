@@ -46,6 +46,39 @@ def emulation(monkeypatch):
         clear_caches(module)
 
 
+LAYER_MODULES = (stream_mix, rows_matmul, gdn_decode, moe_route, expert_qmv, fused, grid_sync)
+
+
+@pytest.fixture
+def emulated_layer(monkeypatch):
+    """Every step kernel of a Flash-Next layer emulated and forced on (the expert kernels'
+    bf16 probe cannot pass on the CPU: kernels/expert_qmv.py), two persistent blocks, the
+    fusion probed (auto); afterwards `_restore`."""
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    for module in LAYER_MODULES:
+        emulate(monkeypatch, module)
+    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
+    for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES"):
+        monkeypatch.setenv(f"QWEN38_{switch}", "force")
+    for name in ("STREAM", "GATES", "MIX", "GDN", "ROUTE", "EXPERT"):
+        monkeypatch.setenv(f"QWEN38_{name}_KERNEL", "force")
+    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
+    yield
+    _restore(monkeypatch)
+
+
+def _restore(monkeypatch) -> None:
+    """Patches undone, the kernels' caches cleared, the products' plan decided again for
+    this machine (rows.prepare's plan is process-wide: a forced kernel would outlive us)."""
+    from qwen38_backend import rows
+
+    monkeypatch.undo()
+    for module in LAYER_MODULES:
+        clear_caches(module)
+    rows.prepare(mx.float32)
+
+
 def _gated_residual_open(hc, R, inj, out, then):
     """What a Flash-Next step launches around a mixer: the close with the next residual's
     norm, its down / inject product with the gates, its up product with the mix."""
@@ -192,10 +225,13 @@ def test_flash_next_steps_fuse_their_close_and_open(monkeypatch, tmp_path):
         for module in (stream_mix, rows_matmul, fused):
             clear_caches(module)
 
-    separate, together = greedy_off_on(
-        monkeypatch, path, prompt, "QWEN38_FUSED_KERNEL", "auto", reset, 4,
-        between=lambda: events.append("marker"),
-    )  # fmt: skip
+    try:
+        separate, together = greedy_off_on(
+            monkeypatch, path, prompt, "QWEN38_FUSED_KERNEL", "auto", reset, 4,
+            between=lambda: events.append("marker"),
+        )  # fmt: skip
+    finally:
+        _restore(monkeypatch)
     assert together == separate
     split = events.index("marker")
     assert "fused" not in events[:split]  # nothing fused while off
@@ -241,7 +277,7 @@ def test_phases_sharing_helpers_define_them_once(emulation, dtype):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_a_gated_deltanet_side_fuses_bit_for_bit(monkeypatch, dtype):
+def test_a_gated_deltanet_side_fuses_bit_for_bit(emulated_layer, monkeypatch, dtype):
     """A Flash-Next Gated DeltaNet layer's one-row step (key and value heads of 32, the
     kernels' smallest) with the close, its mixer's open and the Gated DeltaNet (in-projection
     split into four views of one output, the kernel, out_proj) as one launch: its probe
@@ -250,15 +286,6 @@ def test_a_gated_deltanet_side_fuses_bit_for_bit(monkeypatch, dtype):
     step with them apart."""
     from qwen38_backend import rows
 
-    if shutil.which("g++") is None:
-        pytest.fail("the emulated kernels need g++ on PATH")
-    for module in (stream_mix, rows_matmul, gdn_decode, fused, grid_sync):
-        emulate(monkeypatch, module)
-    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
-    for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES", "STREAM_KERNEL", "GATES_KERNEL", "MIX_KERNEL"):
-        monkeypatch.setenv(f"QWEN38_{switch}", "force")
-    monkeypatch.setenv("QWEN38_GDN_KERNEL", "force")
-    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
     block, (R, inj, out, conv, recurrent) = random_linear_block(dtype)
     hc = block.attn_hyper_connection
     with rows.unpadded():
@@ -281,7 +308,7 @@ def test_a_gated_deltanet_side_fuses_bit_for_bit(monkeypatch, dtype):
         assert a.shape == b.shape and mx.array_equal(a, b).item()
 
 
-def test_a_moe_side_fuses_bit_for_bit(monkeypatch):
+def test_a_moe_side_fuses_bit_for_bit(emulated_layer, monkeypatch):
     """A Flash-Next layer's one-row MoE side (8 experts of 64, 4-bit, 2 a token, its shared
     expert fused into the expert kernels), bf16, with everything emulated: the close, the
     MoE's open, the router product, the routing and the experts' up launch as one launch,
@@ -289,18 +316,6 @@ def test_a_moe_side_fuses_bit_for_bit(monkeypatch):
     step with the launches apart, bit for bit."""
     from qwen38_backend import rows
 
-    if shutil.which("g++") is None:
-        pytest.fail("the emulated kernels need g++ on PATH")
-    modules = (stream_mix, rows_matmul, gdn_decode, moe_route, expert_qmv, fused, grid_sync)
-    for module in modules:
-        emulate(monkeypatch, module)
-    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
-    for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES", "STREAM_KERNEL", "GATES_KERNEL", "MIX_KERNEL"):
-        monkeypatch.setenv(f"QWEN38_{switch}", "force")
-    # (the expert kernels' bf16 probe cannot pass on the CPU: kernels/expert_qmv.py)
-    for switch in ("GDN_KERNEL", "ROUTE_KERNEL", "EXPERT_KERNEL"):
-        monkeypatch.setenv(f"QWEN38_{switch}", "force")
-    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
     dtype = mx.bfloat16
     block, (R, inj, out, conv, recurrent) = random_linear_block(dtype, quantized_moe=True)
     with rows.unpadded():
