@@ -323,6 +323,17 @@ def whole_view(a: mx.array, offset: int, shape: tuple[int, ...]) -> mx.array:
     return a.reshape(-1)[offset : offset + math.prod(shape)].reshape(shape)
 
 
+def run(build: Callable, blocks: int | None = None) -> list[mx.array] | None:
+    """build(view)'s launches as one fused launch: the real arrays of the outputs build
+    returns, or None where build returned None (nothing ran: a capture launches nothing)."""
+    with capture() as taken:
+        stand_ins = build(taken.view)
+    if stand_ins is None:
+        return None
+    real = launch(taken, blocks)
+    return [real(s) for s in stand_ins] + [real.barrier]
+
+
 def agrees(key, build: Callable, blocks: int | None = None) -> bool:
     """Whether build(view)'s launches, captured and fused, give what they give run one by
     one, bit for bit, with no barrier wait giving up (decided once per `key`; a refusal
@@ -341,12 +352,9 @@ def agrees(key, build: Callable, blocks: int | None = None) -> bool:
         if want is None:
             _AGREED[key] = False
             return False
-        with capture() as taken:
-            stand_ins = build(taken.view)
-        real = launch(taken, blocks)
-        got = [real(s) for s in stand_ins]
-        mx.eval(want, got, real.barrier)
-        gave_up = int(real.barrier[1].item()) != 0
+        *got, barrier = run(build, blocks)
+        mx.eval(want, got, barrier)
+        gave_up = int(barrier[1].item()) != 0
         same = all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
     except Exception as e:  # noqa: BLE001 - any failure means: separate launches
         warnings.warn(f"fused launch unavailable ({e}); launches stay separate", stacklevel=2)

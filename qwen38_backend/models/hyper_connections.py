@@ -206,20 +206,23 @@ class GatedResidual(nn.Module):
         norm = then.hc_norm
         return kernels.closed_norm(R, inj, out, norm.weight, self.hc_count, norm.eps)
 
+    def closes_fused(self, R: mx.array, inj: mx.array, out: mx.array) -> bool:
+        """Whether this residual's close of R by (inj, out) can open a fused launch: a step's
+        one row, one dtype, the stream kernels chosen (a fused launch's first phase is their
+        closed norm; kernels/fused.py)."""
+        one_row = R.ndim == 2 and R.shape[0] == 1
+        return one_row and inj.dtype == out.dtype == R.dtype and self._kernels(R) is not None
+
     def close_then_open(
         self, R: mx.array, inj: mx.array, out: mx.array, then: GatedResidual
     ) -> tuple[mx.array, mx.array, mx.array]:
         """(close(R, inj, out), then's block input and inject weights of it): the close,
         then's norm and both its products in one launch where `then` fuses them for R's
         dtype (a step's one row: prepare_decode), else close_then_norm and then.open."""
-        fuses = then._fuse_for == str(R.dtype) and R.ndim == 2 and R.shape[0] == 1
-        if fuses and inj.dtype == out.dtype == R.dtype and self._kernels(R) is not None:
-            fused = kernel_module("fused")
-            with fused.capture() as taken:
-                launches = then._open_launches(R, inj, out, taken.view)
-            if launches is not None:
-                real = fused.launch(taken)
-                closed, x, gated = (real(a) for a in launches)
+        if then._fuse_for == str(R.dtype) and self.closes_fused(R, inj, out):
+            fused = kernel_module("fused").run(lambda v: then._open_launches(R, inj, out, v))
+            if fused is not None:
+                closed, x, gated, _ = fused
                 return closed, x, gated[:, then.lowrank :]
         R, normed = self.close_then_norm(R, inj, out, then)
         x, inj = then.open(R, normed)

@@ -284,16 +284,15 @@ class Qwen4ExpBlock(nn.Module):
     def _fused_linear(self, R, unclosed: tuple, conv, recurrent) -> tuple | None:
         """(R closed, the inject weights, the mixer output, its conv history, its recurrent
         state) of a one-row step as one fused launch, or None (then apart)."""
-        hc, (inj, out) = self.attn_hyper_connection, unclosed
-        if not (inj.dtype == out.dtype == R.dtype) or hc._kernels(R) is None:
+        hc = self.attn_hyper_connection
+        if not hc.closes_fused(R, *unclosed):
             return None
-        fused = kernel_module("fused")
-        with fused.capture() as taken:
-            launches = self._linear_launches(R, unclosed, conv, recurrent, taken.view)
-        if launches is None:
+        fused = kernel_module("fused").run(
+            lambda view: self._linear_launches(R, unclosed, conv, recurrent, view)
+        )
+        if fused is None:
             return None
-        real = fused.launch(taken)
-        closed, _, gated, out, last, states = (real(a) for a in launches)
+        closed, _, gated, out, last, states, _ = fused
         return closed, gated[:, hc.lowrank :], out, last, states
 
     def decode_linear(
@@ -329,7 +328,7 @@ class Qwen4ExpBlock(nn.Module):
         """args: the layer before's `unclosed` (maybe none), then the conv and recurrent
         states; returns (R, inject weights, MoE output, *GatedDeltaNetState.advance's)."""
         *unclosed, conv, recurrent = args
-        if unclosed and self._fuse_linear_for == str(R.dtype) and R.shape[0] == 1:
+        if unclosed and self._fuse_linear_for == str(R.dtype):
             fused = self._fused_linear(R, tuple(unclosed), conv, recurrent)
             if fused is not None:  # (a one-row step's conv inputs are its history)
                 R, inj, out, last, states = fused
@@ -353,14 +352,10 @@ class Qwen4ExpBlock(nn.Module):
         in one launch where the stream kernels run): (R, the MoE's inject weights, its
         output), closed by the next layer (`unclosed`)."""
         hc, mlp_hc = self.attn_hyper_connection, self.mlp_hyper_connection
-        fuses = self._fuse_moe_for == str(R.dtype) and R.ndim == 2 and R.shape[0] == 1
-        if fuses and inj.dtype == out.dtype == R.dtype and hc._kernels(R) is not None:
-            fused = kernel_module("fused")
-            with fused.capture() as taken:
-                launches = self._moe_launches(R, inj, out, taken.view)
-            if launches is not None:  # the close to the experts' up launch, then the down
-                real = fused.launch(taken)
-                closed, _, gated, *moe = (real(a) for a in launches)
+        if self._fuse_moe_for == str(R.dtype) and hc.closes_fused(R, inj, out):
+            fused = kernel_module("fused").run(lambda v: self._moe_launches(R, inj, out, v))
+            if fused is not None:  # the close to the experts' up launch, then the down
+                closed, _, gated, *moe, _ = fused
                 return closed, gated[:, mlp_hc.lowrank :], self.mlp.finish(*moe)
         R, x, inj = hc.close_then_open(R, inj, out, mlp_hc)
         return R, inj, self.mlp(x)
