@@ -107,15 +107,21 @@ class GatedResidual(nn.Module):
         fused = kernel_module("fused")
         if fused is None or "down_inject_proj" not in self:
             return False
-        H, S = self.hidden, self.hc_count
-        keys = mx.random.split(mx.random.key(41), 3)
-        R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
-        inj = mx.random.normal((1, S), key=keys[1]).astype(dtype)
-        out = mx.random.normal((1, H), key=keys[2]).astype(dtype)
+        R, (inj, out) = self.step_operands(dtype, 41)
         products = (self.down_inject_proj, self.input_mix_weight_up)
         weights = [(type(p).__name__, str(p.weight.dtype)) for p in products]
-        key = ("gated residual open", H, S, self.lowrank, self.hc_norm.eps, str(dtype), weights)
+        shape = (self.hidden, self.hc_count, self.lowrank, self.hc_norm.eps)
+        key = ("gated residual open", shape, str(dtype), weights)
         return fused.agrees(str(key), lambda view: self._open_launches(R, inj, out, view))
+
+    def step_operands(self, dtype: mx.Dtype, seed: int) -> tuple[mx.array, tuple]:
+        """Random one-row streams R and a block's (inject weights, output) to close them
+        with, in `dtype`: what the fused launches' probes run on."""
+        H, S = self.hidden, self.hc_count
+        keys = mx.random.split(mx.random.key(seed), 3)
+        R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
+        inj = mx.random.normal((1, S), key=keys[1]).astype(dtype)
+        return R, (inj, mx.random.normal((1, H), key=keys[2]).astype(dtype))
 
     def _open_launches(self, R: mx.array, inj: mx.array, out: mx.array, view):
         """[the closed streams, the block input, the gated down / inject product] of the

@@ -215,14 +215,6 @@ class Qwen4ExpBlock(nn.Module):
     _fuse_linear_for = ""  # the dtype whose one-row mixer side is one launch ("": none)
     _fuse_moe_for = ""  # the dtype whose one-row MoE side is two launches ("": none)
 
-    def _step_operands(self, dtype: mx.Dtype, seed: int) -> tuple[mx.array, tuple]:
-        """Random one-row streams and a block's (inject weights, output) to close: a probe's."""
-        H, S = self.attn_hyper_connection.hidden, self.attn_hyper_connection.hc_count
-        keys = mx.random.split(mx.random.key(seed), 3)
-        R = mx.random.normal((1, S * H), key=keys[0]).astype(dtype)
-        inj = mx.random.normal((1, S), key=keys[1]).astype(dtype)
-        return R, (inj, mx.random.normal((1, H), key=keys[2]).astype(dtype))
-
     def _fuses_moe(self, dtype: mx.Dtype) -> bool:
         """Whether a one-row step's close, the MoE's open and its MoE up to the experts' down
         launch (router product, routing, the experts' up launch) run as one launch with the
@@ -230,7 +222,7 @@ class Qwen4ExpBlock(nn.Module):
         fused, hc, moe = kernel_module("fused"), self.mlp_hyper_connection, self.mlp
         if fused is None or not hc._fuse_for or "router_gate_proj" not in moe:
             return False
-        R, unclosed = self._step_operands(dtype, 47)
+        R, unclosed = hc.step_operands(dtype, 47)
         e = moe.experts
         shape = (e.num_experts, moe.top_k, e.hidden, e.intermediate, getattr(e, "group_size", 0))
         weights = [moe.router_gate_proj.weight, *(v for _, v in tree_flatten(e.parameters()))]
@@ -258,7 +250,7 @@ class Qwen4ExpBlock(nn.Module):
         mixer = self.linear_attn
         mixer.prepare_decode(dtype)
         H, S = hc.hidden, hc.hc_count
-        R, unclosed = self._step_operands(dtype, 43)
+        R, unclosed = hc.step_operands(dtype, 43)
         keys = mx.random.split(mx.random.key(44), 2)
         conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[0])
         state = (mixer.n_v_heads, mixer.v_head_dim, mixer.k_head_dim)
