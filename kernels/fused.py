@@ -52,10 +52,12 @@ C_TYPES = {
     mx.bool_: "bool",
 }
 # Persistent blocks an SM: all must be resident at once (the barrier waits for every one), so
-# two blocks of 256 threads need at most 128 registers a thread; a probe that finds a wait
-# giving up refuses the composition (agrees). Two, so a phase's loads have more warps to
-# hide their latency behind than one block's eight. Not measured yet.
+# two blocks of 256 threads need at most 128 registers a thread. Two, so a phase's loads have
+# more warps to hide their latency behind than one block's eight (not measured yet); a
+# composition whose probe finds a wait giving up at two runs at one (ptxas: a Flash-Next
+# layer's MoE side takes 152 registers, its mixer side 120, a gated residual's open 43).
 BLOCKS_PER_SM = 2
+_PER_SM: dict[str, int] = {}  # fused kernel name -> the blocks an SM its probe chose
 
 INDEX = """
 namespace qwen38_fused {
@@ -114,13 +116,15 @@ def launch(taken: Capture, blocks: int | None = None) -> Fused:
     """Run the captured launches as one (`blocks` persistent blocks; default one an SM, at
     most what the largest phase uses)."""
     spec, inputs, most, threads = compose(taken)
+    kernel = _kernel(**spec)
+    name = kernel.spec["name"]  # (jit's: with its text's digest, one per composition)
     if blocks is None:
-        blocks = grid_sync.sm_count() * BLOCKS_PER_SM
+        blocks = grid_sync.sm_count() * _PER_SM.get(name, BLOCKS_PER_SM)
     blocks = max(1, min(blocks, most))
     phases = taken.phases
     out_shapes = [s for p in phases for s in p.call["output_shapes"]] + [(2,)]
     out_dtypes = [d for p in phases for d in p.call["output_dtypes"]] + [mx.uint32]
-    results = _kernel(**spec)(
+    results = kernel(
         inputs=inputs,
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
@@ -134,15 +138,15 @@ def launch(taken: Capture, blocks: int | None = None) -> Fused:
         for out in phase.outputs:
             real[id(out)] = results[at]
             at += 1
-    return Fused(taken, real, results[-1])
+    return Fused(taken, real, results[-1], name)
 
 
 class Fused:
     """A fused launch's outputs: fused(stand_in) is the real array a stand-in stood for;
     `barrier` [arrivals, gave up]: a set [1] means the outputs are not valid."""
 
-    def __init__(self, taken: Capture, real: dict[int, mx.array], barrier: mx.array):
-        self.taken, self.real, self.barrier = taken, real, barrier
+    def __init__(self, taken: Capture, real: dict[int, mx.array], barrier: mx.array, name: str):
+        self.taken, self.real, self.barrier, self.name = taken, real, barrier, name
 
     def __call__(self, stand_in: mx.array) -> mx.array:
         phase, k, at, shape, _ = self.taken.made[id(stand_in)]
@@ -326,12 +330,17 @@ def whole_view(a: mx.array, offset: int, shape: tuple[int, ...]) -> mx.array:
 def run(build: Callable, blocks: int | None = None) -> list[mx.array] | None:
     """build(view)'s launches as one fused launch: the real arrays of the outputs build
     returns, or None where build returned None (nothing ran: a capture launches nothing)."""
+    fused = _fused_run(build, blocks)
+    return None if fused is None else fused[0]
+
+
+def _fused_run(build: Callable, blocks: int | None) -> tuple[list[mx.array], Fused] | None:
     with capture() as taken:
         stand_ins = build(taken.view)
     if stand_ins is None:
         return None
     real = launch(taken, blocks)
-    return [real(s) for s in stand_ins] + [real.barrier]
+    return [real(s) for s in stand_ins], real
 
 
 def agrees(key, build: Callable, blocks: int | None = None) -> bool:
@@ -352,10 +361,16 @@ def agrees(key, build: Callable, blocks: int | None = None) -> bool:
         if want is None:
             _AGREED[key] = False
             return False
-        *got, barrier = run(build, blocks)
-        mx.eval(want, got, barrier)
-        gave_up = int(barrier[1].item()) != 0
+        # at BLOCKS_PER_SM an SM, then one where a wait gave up (not all resident)
+        for per_sm in [blocks] if blocks else dict.fromkeys((BLOCKS_PER_SM, 1)):
+            got, real = _fused_run(build, per_sm if blocks else grid_sync.sm_count() * per_sm)
+            mx.eval(want, got, real.barrier)
+            gave_up = int(real.barrier[1].item()) != 0
+            if not gave_up:
+                break
         same = all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
+        if not blocks and not gave_up:
+            _PER_SM[real.name] = per_sm
     except Exception as e:  # noqa: BLE001 - any failure means: separate launches
         warnings.warn(f"fused launch unavailable ({e}); launches stay separate", stacklevel=2)
         _AGREED[key] = False
@@ -370,4 +385,9 @@ def agrees(key, build: Callable, blocks: int | None = None) -> bool:
     return _AGREED[key]
 
 
-agrees.cache_clear = _AGREED.clear  # as the other kernels' probes are cleared
+def _forget() -> None:
+    _AGREED.clear()
+    _PER_SM.clear()
+
+
+agrees.cache_clear = _forget  # as the other kernels' probes are cleared

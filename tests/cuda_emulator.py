@@ -25,7 +25,8 @@ import mlx.core as mx
 import numpy as np
 from qwen38_backend.kernels import decode_attention, jit, rows_matmul
 from qwen38_backend.kernels.fused import C_TYPES, template_constant
-from qwen38_backend.kernels.grid_sync import GRID_BARRIER
+
+GRID_NAMESPACE = "namespace qwen38_grid {"  # what kernels/grid_sync.py's barrier is defined in
 
 HEADER = r"""
 #include <cmath>
@@ -418,7 +419,7 @@ class EmulatedKernel:
             args.append(f"({C_TYPES[dtype]}*)p[{len(keep) - 1}]")
         constants = "\n".join(template_constant(n, v) for n, v in template)
         # a kernel that waits for the whole grid runs its blocks at once (see HEADER)
-        grid_mode = GRID_BARRIER in self.header
+        grid_mode = GRID_NAMESPACE in self.header
         source = "\n".join(
             [
                 "#define EMU_GRID\n#define EMU_TLS thread_local" if grid_mode else "",

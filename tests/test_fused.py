@@ -340,3 +340,34 @@ def _count(monkeypatch, module, name: str) -> list:
     calls, real = [], getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
+
+
+def test_a_composition_not_resident_at_two_blocks_an_sm_runs_at_one(emulation, monkeypatch):
+    """The probe tries BLOCKS_PER_SM (2) blocks an SM first; where a barrier wait gives up
+    (here: a barrier made to wait for one block more whenever the grid has more than 2, as
+    when a block cannot be resident), it runs the composition at one an SM, and launches of
+    it take that count."""
+    hc, then, R, inj, out = _operands(mx.float32)
+    L, S = then.lowrank, then.hc_count
+    up = then.input_mix_weight_up.weight
+    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
+    crowded = grid_sync.GRID_BARRIER.replace(
+        "passed * blocks", "passed * blocks + (blocks > 2 ? 1u : 0u)"
+    ).replace(f"{grid_sync.SPIN_LIMIT}u", "2000u")
+    monkeypatch.setattr(grid_sync, "GRID_BARRIER", crowded)
+    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
+
+    def build(view):
+        emulation(jit._CAPTURE.get() is None)
+        closed, normed, gated = _gated_residual_open(hc, R, inj, out, then)
+        return [closed, rows_matmul.rows_matmul(view(gated, 0, (1, L)), up, mix=(normed, S))]
+
+    fused.agrees.cache_clear()
+    assert fused.agrees("crowded", build)
+    (per_sm,) = fused._PER_SM.values()
+    assert per_sm == 1
+    emulation(False)
+    with fused.capture() as taken:
+        build(taken.view)
+    emulation(True)
+    assert fused.launch(taken).barrier.tolist() == [2 * 2, 0]  # 2 blocks, 2 barriers, no give-up

@@ -228,7 +228,7 @@ class GatedResidual(nn.Module):
         if then._fuse_for == str(R.dtype) and self.closes_fused(R, inj, out):
             fused = kernel_module("fused").run(lambda v: then._open_launches(R, inj, out, v))
             if fused is not None:
-                closed, x, gated, _ = fused
+                closed, x, gated = fused
                 return closed, x, gated[:, then.lowrank :]
         R, normed = self.close_then_norm(R, inj, out, then)
         x, inj = then.open(R, normed)

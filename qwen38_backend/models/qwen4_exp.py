@@ -284,7 +284,7 @@ class Qwen4ExpBlock(nn.Module):
         )
         if fused is None:
             return None
-        closed, _, gated, out, last, states, _ = fused
+        closed, _, gated, out, last, states = fused
         return closed, gated[:, hc.lowrank :], out, last, states
 
     def decode_linear(
@@ -347,7 +347,7 @@ class Qwen4ExpBlock(nn.Module):
         if self._fuse_moe_for == str(R.dtype) and hc.closes_fused(R, inj, out):
             fused = kernel_module("fused").run(lambda v: self._moe_launches(R, inj, out, v))
             if fused is not None:  # the close to the experts' up launch, then the down
-                closed, _, gated, *moe, _ = fused
+                closed, _, gated, *moe = fused
                 return closed, gated[:, mlp_hc.lowrank :], self.mlp.finish(*moe)
         R, x, inj = hc.close_then_open(R, inj, out, mlp_hc)
         return R, inj, self.mlp(x)
