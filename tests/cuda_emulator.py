@@ -36,6 +36,7 @@ HEADER = r"""
 #include <cstring>
 #include <functional>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -167,7 +168,9 @@ template <typename V> V atomicExch(V* at, V v) {
   return old;
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+// A real sleep, not a yield: on a loaded machine a yield returns at once, and a waiting block
+// would use up its polls while the block it waits for is still computing.
+inline void __nanosleep(unsigned) { std::this_thread::sleep_for(std::chrono::microseconds(1)); }
 template <typename V> inline V __ldcg(const V* at) { return *at; }
 
 static void emu_entry() {
