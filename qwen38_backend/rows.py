@@ -365,15 +365,40 @@ def _kernel_product(
     return _finished(y if bias is None else y + bias, residual, dtype)
 
 
-def kernel_product(linear, x: mx.array) -> mx.array | None:
-    """linear(x) as one launch of the row-invariant kernel, nothing after it (a step's 2-D
-    rows, no bias), where this forward's plan runs it for these operands, else None: what
-    a fused launch takes as a phase (kernels/fused.py); the bits of `project`'s."""
+def kernel_product(
+    linear,
+    x: mx.array,
+    residual: mx.array | None = None,
+    dtype: mx.Dtype | None = None,
+    swiglu: bool = False,
+    norm: nn.Module | None = None,
+) -> mx.array | None:
+    """linear(x) as launches of the row-invariant kernel with nothing after them (a step's
+    2-D rows, no bias; `residual`, `dtype` and `swiglu` in its epilogues as project and
+    swiglu_product take them) where this forward's plan runs them for these operands, else
+    None: what a fused launch takes as phases (kernels/fused.py); the bits of `project`'s
+    and `swiglu_product`'s.
+
+    `norm`: of norm.for_product(x), where the step's products take the norm in their
+    prologue (_normed_product), as the stand-alone norm kernel then the product (the
+    prologue's bits, rows_matmul.norm_available): in a fused launch the norm is a phase of
+    its own, computed once instead of in every block."""
     weight = _unbiased_weight(linear, x)
     kernels = kernel_module("rows_matmul")
-    if weight is None or x.shape[0] > STEP_MAX_ROWS or not kernels.fits(x, weight):
+    if weight is None or x.shape[0] > STEP_MAX_ROWS:
         return None
-    return kernels.rows_matmul(x, weight)
+    if norm is not None:
+        if not getattr(norm, "zero_centered", False) or not kernels.norm_available(weight.dtype):
+            return None
+        scale = norm.scale()
+        if not kernels.fits(x, weight, residual, swiglu, scale):
+            return None
+        x = kernels.norm_rows(x, scale, norm.eps, weight.dtype)
+    if (residual is not None or swiglu) and not kernels.epilogues_available(weight.dtype):
+        return None  # project would add the residual as ops after the product
+    if not kernels.fits(x, weight, residual, swiglu):
+        return None
+    return kernels.rows_matmul(x, weight, residual=residual, dtype=dtype, swiglu=swiglu)
 
 
 def gated_product(linear, x: mx.array, low_rank: int, streams: int) -> mx.array | None:

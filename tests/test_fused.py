@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from cuda_emulator import clear_caches, emulate
 from helpers import greedy_off_on, random_gated_residual, random_linear_block
+from mlx.utils import tree_flatten, tree_unflatten
 from qwen38_backend.kernels import (
     expert_qmv,
     fused,
@@ -246,6 +247,63 @@ def test_flash_next_steps_fuse_their_close_and_open(monkeypatch, tmp_path):
             assert after[i + 1 : i + 2] != ["fused"]
 
 
+@pytest.mark.slow  # ~4 min: the products and the Gated DeltaNet kernel emulated, twice
+def test_27b_steps_fuse_their_gated_deltanet_layers(monkeypatch, tmp_path):
+    """A tiny 27B (fp32, key and value heads of 32) decoding with its products (their norm
+    prologues and epilogues) and the Gated DeltaNet kernel emulated: with
+    QWEN38_FUSED_KERNEL on, every Gated DeltaNet layer's one-row step runs as one fused
+    launch, rows of several (prefill, verify) apart, and the greedy tokens are those of the
+    launches apart."""
+    import qwen38_backend
+    from qwen38_backend.models.qwen3_5 import Qwen35Block
+    from qwen38_backend.testing import make_tiny_weights
+
+    if shutil.which("g++") is None:
+        pytest.fail("the emulated kernels need g++ on PATH")
+    modules = (rows_matmul, gdn_decode, fused, grid_sync)
+    for module in modules:
+        emulate(monkeypatch, module)
+    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
+    for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES", "ROWS_NORM", "GDN_KERNEL"):
+        monkeypatch.setenv(f"QWEN38_{switch}", "force")
+    for switch in ("GATES_KERNEL", "MIX_KERNEL"):  # Flash-Next's epilogues: not the 27B's
+        monkeypatch.setenv(f"QWEN38_{switch}", "off")
+    path = make_tiny_weights(
+        "qwen3_5", tmp_path / "27b", linear_key_head_dim=32, linear_value_head_dim=32
+    )
+    prompt = [(3 * i + 5) % 200 + 2 for i in range(7)]
+    launches, steps = _count(monkeypatch, fused, "launch"), []
+    step = Qwen35Block._linear_step
+
+    def recorded_step(self, h, *args):  # (rows, fused launches in the step)
+        before = len(launches)
+        out = step(self, h, *args)
+        steps.append((h.shape[0], len(launches) - before))
+        return out
+
+    monkeypatch.setattr(Qwen35Block, "_linear_step", recorded_step)
+
+    def reset() -> None:
+        for module in modules:
+            clear_caches(module)
+
+    try:
+        separate, together = greedy_off_on(
+            monkeypatch, path, prompt, "QWEN38_FUSED_KERNEL", "auto", reset, 4,
+            between=lambda: steps.append("marker"),
+        )  # fmt: skip
+    finally:
+        _restore(monkeypatch)
+    assert together == separate
+    split = steps.index("marker")
+    assert all(fused == 0 for _, fused in steps[:split])  # nothing fused while off
+    after = steps[split + 1 :]
+    layers = qwen38_backend.load(str(path), dtype="float32").net.model.layers
+    linear = sum(b.is_linear for b in layers)
+    assert after[-linear:] == [(1, 1)] * linear  # the last token's steps: each one launch
+    assert all(fused == (rows == 1) for rows, fused in after)  # several rows apart
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_phases_sharing_helpers_define_them_once(emulation, dtype):
     """A plain product and a gated one (headers sharing the row helpers, one with MLX's ops
@@ -373,3 +431,76 @@ def test_a_composition_not_resident_at_two_blocks_an_sm_runs_at_one(emulation, m
         build(taken.view)
     emulation(True)
     assert fused.launch(taken).barrier.tolist() == [2 * 2, 0]  # 2 blocks, 2 barriers, no give-up
+
+
+def _random_27b_linear_block(dtype):
+    """A 27B Gated DeltaNet block (the tiny config with key and value heads of 32, the Gated
+    DeltaNet kernel's smallest) with random weights in `dtype`, fused as loaded, and a
+    one-row step's conv history and recurrent state."""
+    from qwen38_backend.config import LINEAR, Qwen35Config
+    from qwen38_backend.models.layers import fuse_projections
+    from qwen38_backend.models.qwen3_5 import Qwen35Block
+    from qwen38_backend.testing.tiny_qwen3_5 import text_config
+
+    cfg = Qwen35Config.from_dict(text_config(linear_key_head_dim=32, linear_value_head_dim=32))
+    mx.random.seed(7)
+    block = Qwen35Block(cfg, LINEAR)
+    for name, value in tree_flatten(block.parameters()):  # norms off their ones
+        if "norm" in name:
+            block.update(tree_unflatten([(name, 0.3 * mx.random.normal(value.shape))]))
+    block.set_dtype(dtype)
+    fuse_projections(block)
+    mixer = block.linear_attn
+    keys = mx.random.split(mx.random.key(8), 2)
+    conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[0]).astype(dtype)
+    shape = (mixer.n_v_heads, mixer.v_head_dim, mixer.k_head_dim)
+    return block, conv, 0.1 * mx.random.normal(shape, key=keys[1])
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_27b_gated_deltanet_layer_fuses_bit_for_bit(emulated_layer, monkeypatch, dtype):
+    """A 27B Gated DeltaNet block's one-row step (the input norm, the in-projection, the
+    Gated DeltaNet kernel, out_proj with the residual, the post-mixer norm, gate / up with
+    the swiglu, down with the residual) as one launch: its probe passes for block inputs of
+    fp32 (the layers after the first) and of the model's dtype (the first), and every output
+    of the step (the block's output, conv history, recurrent state) equals the step with its
+    launches apart (the norms in the products' prologues), bit for bit."""
+    from qwen38_backend import rows
+
+    monkeypatch.setenv("QWEN38_ROWS_NORM", "force")
+    block, conv, recurrent = _random_27b_linear_block(dtype)
+    H = block.linear_attn.out_proj.weight.shape[0]
+    h = 2 * mx.random.normal((1, H), key=mx.random.key(9))
+    launches = _count(monkeypatch, fused, "launch")
+    norms = _count(monkeypatch, rows_matmul, "norm_rows")
+    with rows.unpadded():
+        rows.prepare(dtype)
+        for rows_in in {mx.float32, dtype}:
+            x = h.astype(rows_in)
+            block._decide_fusion(rows_in)
+            assert str(rows_in) in block._fuse_linear_for  # the probe passed
+            launches.clear(), norms.clear()
+            together = block._linear_step(x, conv, recurrent)
+            mx.eval(together)
+            assert (len(launches), len(norms)) == (1, 2)  # both norms phases of their own
+            block._fuse_linear_for = frozenset()
+            apart = block._linear_step(x, conv, recurrent)
+            mx.eval(apart)
+            assert (len(launches), len(norms)) == (1, 2)  # apart: in the prologues
+            assert len(together) == len(apart) == 4
+            for a, b in zip(together, apart, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item()
+
+
+def test_a_27b_layer_stays_apart_where_its_norms_are_ops(emulated_layer, monkeypatch):
+    """With the norm prologue off (QWEN38_ROWS_NORM's default), the step norms its rows as
+    ops, which a fused launch cannot hold: the probe refuses nothing, there is nothing to
+    fuse, and the step runs apart."""
+    from qwen38_backend import rows
+
+    monkeypatch.setenv("QWEN38_ROWS_NORM", "off")
+    block, conv, recurrent = _random_27b_linear_block(mx.float32)
+    with rows.unpadded():
+        rows.prepare(mx.float32)
+        block._decide_fusion(mx.float32)
+    assert block._fusion_decided == {str(mx.float32)} and not block._fuse_linear_for

@@ -289,12 +289,24 @@ class GatedDeltaNet(nn.Module):
     def step_launches(self, x: mx.array, conv: mx.array, recurrent: mx.array, view):
         """A one-row step as its three launches (the fused in-projection, the Gated DeltaNet
         kernel, out_proj): [the output [1, hidden], the conv history after, the recurrent
-        state after [1, Hv, Dv, Dk]], in-projection's parts taken by `view(a, offset,
-        shape)` (kernels/fused.py), the bits of `step`'s; None where the step does not run
-        them (the products off the row-invariant kernel, the kernel not chosen)."""
+        state after [1, Hv, Dv, Dk]], the bits of `step`'s; None where the step does not run
+        them (core_launches)."""
+        core = self.core_launches(x, conv, recurrent, view)
+        out = None if core is None else kernel_product(self.out_proj, core[0])
+        return None if out is None else [out, *core[1:]]
+
+    def core_launches(
+        self, x: mx.array, conv: mx.array, recurrent: mx.array, view, norm: nn.Module | None = None
+    ):
+        """A one-row step up to out_proj as its launches (the fused in-projection, with
+        `norm` in its prologue, then the Gated DeltaNet kernel): [out_proj's input row, the
+        conv history after, the recurrent state after [1, Hv, Dv, Dk]], the in-projection's
+        parts taken by `view(a, offset, shape)` (kernels/fused.py), the bits of
+        `step_rows`'; None where the step does not run them (the products off the
+        row-invariant kernel, the kernel not chosen)."""
         if "in_proj_all" not in self or x.ndim != 2 or x.shape[0] != 1:
             return None
-        y = kernel_product(self.in_proj_all, x)
+        y = kernel_product(self.in_proj_all, x, norm=norm)
         if y is None or getattr(self, "_kernel_for", "") != str(y.dtype):
             return None
         parts, at = [], 0
@@ -305,8 +317,7 @@ class GatedDeltaNet(nn.Module):
         o, last, states = kernel_module("gdn_decode").gdn_decode_rows(
             *parts, conv, *weights, recurrent, self.norm.weight, spec=self._core_spec()
         )
-        out = kernel_product(self.out_proj, o)
-        return None if out is None else [out, last, states]
+        return [o, last, states]
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 

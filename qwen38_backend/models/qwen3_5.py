@@ -12,8 +12,9 @@ import mlx.nn as nn
 
 from .. import rows
 from ..config import LINEAR, Qwen35Config
+from ..kernel_import import kernel_module
 from ..kv.contiguous import ContiguousKV
-from ..rows import STEP_MAX_ROWS
+from ..rows import STEP_MAX_ROWS, kernel_product
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
@@ -79,14 +80,74 @@ class Qwen35Block(PreNormBlock):
 
     def decode_linear(self, h: mx.array, state: GatedDeltaNetState) -> mx.array:
         """A step of a few rows through a Gated DeltaNet block: one compiled graph."""
+        if h.shape[0] == 1 and str(h.dtype) not in self._fusion_decided:
+            self._decide_fusion(h.dtype)  # outside the trace: its probe runs launches
         (h,) = decode_step(self, h, state)
         return h
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
+        if str(h.dtype) in self._fuse_linear_for:
+            fused = kernel_module("fused").run(
+                lambda view: self._linear_launches(h, conv, recurrent, view)
+            )
+            if fused is not None:  # (a one-row step's conv inputs are its history)
+                out, last, states = fused
+                return out, last, last, states
         mixer = self.linear_attn
         o, *rows = mixer.step_rows(h, conv, recurrent, norm=self.input_layernorm)
         post = self.post_attention_layernorm
         return residual_step(h, o, mixer.out_proj, post, self.mlp), *rows
+
+    # the block input dtypes whose one-row step is one fused launch (_fuses_linear), and
+    # those decided (frozensets: an nn.Module would hold a dict as a child)
+    _fuse_linear_for: frozenset[str] = frozenset()
+    _fusion_decided: frozenset[str] = frozenset()
+
+    def _decide_fusion(self, h_dtype: mx.Dtype) -> None:
+        dtype = self.linear_attn.conv1d.weight.dtype  # the step's (decode_step)
+        if self._fuses_linear(h_dtype, dtype):
+            self._fuse_linear_for |= {str(h_dtype)}
+        self._fusion_decided |= {str(h_dtype)}
+
+    def _fuses_linear(self, h_dtype: mx.Dtype, dtype: mx.Dtype) -> bool:
+        """Whether a one-row step of this Gated DeltaNet block (the in-projection with the
+        input norm in its prologue, the Gated DeltaNet kernel, out_proj with the residual,
+        gate / up with the post-mixer norm and the swiglu, down with the residual) runs as one
+        launch with the bits of the five (kernels/fused.py; probed on random rows and state
+        of these dtypes, once per shape)."""
+        fused = kernel_module("fused")
+        if fused is None:
+            return False
+        mixer = self.linear_attn
+        mixer.prepare_decode(dtype)
+        keys = mx.random.split(mx.random.key(45), 3)
+        h = mx.random.normal((1, mixer.out_proj.weight.shape[0]), key=keys[0])
+        conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[1])
+        state = (mixer.n_v_heads, mixer.v_head_dim, mixer.k_head_dim)
+        recurrent = 0.1 * mx.random.normal(state, key=keys[2])
+        products = [p for _, p in self.named_modules() if isinstance(p, nn.Linear)]
+        kinds = [(tuple(p.weight.shape), str(p.weight.dtype)) for p in products]
+        key = ("27b gated deltanet layer", mixer._core_spec(), str(h_dtype), str(dtype), kinds)
+        return fused.agrees(
+            str(key),
+            lambda view: self._linear_launches(
+                h.astype(h_dtype), conv.astype(dtype), recurrent, view
+            ),
+        )
+
+    def _linear_launches(self, h, conv, recurrent, view) -> list | None:
+        """[the block's output, the conv history after, the recurrent state after] of a
+        one-row step as launches with nothing between them (GatedDeltaNet.core_launches,
+        then rows.kernel_product with residual_step's epilogues), or None."""
+        mixer, post, mlp = self.linear_attn, self.post_attention_layernorm, self.mlp
+        core = mixer.core_launches(h, conv, recurrent, view, norm=self.input_layernorm)
+        if core is None or "gate_up_proj" not in mlp:
+            return None
+        o, last, states = core
+        s = kernel_product(mixer.out_proj, o, residual=h, dtype=post.compute_dtype(h.dtype))
+        y = None if s is None else kernel_product(mlp.gate_up_proj, s, swiglu=True, norm=post)
+        out = None if y is None else kernel_product(mlp.down_proj, y, residual=s, dtype=s.dtype)
+        return None if out is None else [out, last, states]
 
 
 class Qwen35Body(nn.Module):
