@@ -386,6 +386,11 @@ def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
                 "biases": zeros(E, 2 * inter, H // g),
             }
             expert_qmv.activations(x, inds, stack, g, zeros(2 * inter, H))
+    _compiles_fused(tmp_path, fused, taken)
+
+
+def _compiles_fused(tmp_path, fused, taken) -> None:
+    """nvcc compiles the fused kernel of these captured launches."""
     spec, inputs, _, _ = fused.compose(taken)
     dtypes = [a.dtype for a in inputs]
     dtypes += [d for p in taken.phases for d in p.call["output_dtypes"]] + [mx.uint32]
@@ -399,3 +404,46 @@ def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
     compiles(tmp_path, kernel, {n: C_TYPES[d] for n, d in zip(names, dtypes, strict=True)}, [])
     for factory in FACTORIES:
         factory.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_fused_27b_gated_deltanet_layer_compiles(tmp_path, monkeypatch, dtype):
+    """kernels/fused.py's composition of a 27B Gated DeltaNet block's one-row step at its
+    shapes (hidden 5120, Gated DeltaNet 16 / 48 heads of 128, intermediate 17408): the input
+    norm, the in-projection (its output four views for the kernel), the Gated DeltaNet
+    kernel, out_proj with the fp32 residual, the post-mixer norm, gate / up with the swiglu,
+    down with the residual (Qwen35Block._linear_launches)."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("--run-nvcc needs nvcc on PATH")
+    from qwen38_backend.kernels import fused
+
+    for module in (rows_matmul, gdn_decode):
+        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
+    for factory in FACTORIES:
+        factory.cache_clear()
+    H, inter, hk, hv, d = 5120, 17408, 16, 48, 128
+    conv_dim, value_dim = 2 * hk * d + hv * d, hv * d
+
+    def zeros(*shape, dt=dtype):
+        return mx.zeros(shape, dt)
+
+    scale = zeros(H, dt=mx.float32)
+    with fused.capture() as taken:
+        h = zeros(1, H, dt=mx.float32)
+        y = rows_matmul.rows_matmul(
+            rows_matmul.norm_rows(h, scale, 1e-6, dtype), zeros(conv_dim + value_dim + 2 * hv, H)
+        )
+        parts, at = [], 0
+        for size in (conv_dim, value_dim, hv, hv):
+            parts.append(taken.view(y, at, (1, size)))
+            at += size
+        o, _, _ = gdn_decode.gdn_decode_rows(
+            *parts, zeros(3, conv_dim), zeros(conv_dim, 4), zeros(hv), zeros(hv),
+            zeros(hv, d, d, dt=mx.float32), zeros(d), spec=(hk, hv, d, d, 1e-6, "silu"),
+        )  # fmt: skip
+        s = rows_matmul.rows_matmul(o, zeros(H, value_dim), residual=h, dtype=mx.float32)
+        normed = rows_matmul.norm_rows(s, scale, 1e-6, dtype)
+        act = rows_matmul.rows_matmul(normed, zeros(2 * inter, H), swiglu=True)
+        rows_matmul.rows_matmul(act, zeros(H, inter), residual=s, dtype=mx.float32)
+    assert len(taken.phases) == 7
+    _compiles_fused(tmp_path, fused, taken)
