@@ -208,15 +208,19 @@ def prefill_then_decode(
 
 
 def worker_ours(args) -> dict:
+    import os
+
     import mlx.core as mx
 
+    if args.norm_prologue or args.fused:  # the products' norm prologue (rows.project)
+        os.environ["QWEN38_ROWS_NORM"] = "auto"
+    if args.fused:  # a Gated DeltaNet block's one-row step as one launch (kernels/fused.py)
+        os.environ["QWEN38_FUSED_KERNEL"] = "auto"
     if args.op_by_op:
         from qwen38_backend.models.layers import PreNormBlock
 
         PreNormBlock.compile_decode = False
     if args.mlx_gemv_steps:  # one-row products: MLX's gemv (module docstring)
-        import os
-
         from qwen38_backend import rows
 
         os.environ["QWEN38_ROWS_KERNEL"] = "off"
@@ -250,6 +254,8 @@ def worker_ours(args) -> dict:
             "decode_tok_s": _median(dec),
             "peak_memory_bytes": mx.get_peak_memory(),
         }
+    layers = model.net.model.layers
+    result["fused_layers"] = sum(bool(getattr(b, "_fuse_linear_for", ())) for b in layers)
     return result
 
 
@@ -371,6 +377,17 @@ def main() -> None:
         choices=[0, 8, 16],
         help="the row-invariant kernel's chunk in bytes (kernels/rows_matmul.py; 0: its default)",
     )
+    ap.add_argument(
+        "--norm-prologue",
+        action="store_true",
+        help="also run ours with the products' norm prologue on (QWEN38_ROWS_NORM=auto)",
+    )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="also run ours with each Gated DeltaNet block's one-row step as one fused launch "
+        "(QWEN38_FUSED_KERNEL=auto, with the norm prologue, which it needs)",
+    )
     ap.add_argument("--worker", choices=["ours", "mlx-lm"], default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -411,6 +428,10 @@ def main() -> None:
         result["ours_op_by_op"] = spawn("ours", args.lengths, args.runs, "op-by-op")
     if args.mlx_gemv_steps:
         result["ours_mlx_gemv_steps"] = spawn("ours", args.lengths, args.runs, "mlx-gemv-steps")
+    if args.norm_prologue:
+        result["ours_norm_prologue"] = spawn("ours", args.lengths, args.runs, "norm-prologue")
+    if args.fused:
+        result["ours_fused"] = spawn("ours", args.lengths, args.runs, "fused")
     if args.peer == "mlx-lm":
         peer_lengths = [
             int(x) for x in (args.peer_lengths or ",".join(map(str, args.lengths))).split(",")
@@ -429,7 +450,8 @@ def main() -> None:
             itemsize,
             result["ours"].get("embed_bytes"),
         )
-        for name in ("ours", "ours_op_by_op", "ours_mlx_gemv_steps", "mlx_lm"):
+        variants = ("op_by_op", "mlx_gemv_steps", "norm_prologue", "fused")
+        for name in ("ours", *(f"ours_{v}" for v in variants), "mlx_lm"):
             entry = result.get(name, {}).get("lengths", {}).get(key)
             if entry:
                 rate = entry["decode_tok_s"]["median"]
