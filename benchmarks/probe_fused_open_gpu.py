@@ -80,16 +80,27 @@ def main() -> None:
     out0 = mx.random.normal((1, HIDDEN), key=keys[2]).astype(dtype)
     mx.eval(R0, inj0, out0)
 
-    def chain(per_sm: int) -> list[mx.array]:
-        """--opens opens chained (each block output: the last block input); per_sm 0: the
-        separate launches."""
+    def chain(per_sm: int, start=(R0, inj0, out0)) -> list[mx.array]:
+        """--opens opens chained (each block output: the last block input) from `start`;
+        per_sm 0: the separate launches."""
         then._fuse_for = str(dtype) if per_sm else ""
         fused.BLOCKS_PER_SM = per_sm or fused.BLOCKS_PER_SM
-        R, inj, out = R0, inj0, out0
+        R, inj, out = start
         for _ in range(args.opens):
             R, x, inj = hc.close_then_open(R, inj, out, then)
             out = x
-        return [R, x, inj]
+        return [R, inj, x]
+
+    def threaded(per_sm: int):
+        """A make() whose chain starts from the last one's outputs: queued chains run one
+        after another (the fused launches share their barrier's state: grid_sync.state)."""
+        held = [(R0, inj0, out0)]
+
+        def make():
+            held[0] = chain(per_sm, held[0])
+            return held[0]
+
+        return make
 
     sms = grid_sync.sm_count()
     ways = {"separate": 0, **{f"fused_{p}_per_sm": int(p) for p in args.per_sm.split(",")}}
@@ -106,7 +117,7 @@ def main() -> None:
     device = {way: [] for way in timed}
     for _ in range(args.runs):
         for way, per_sm in timed.items():
-            device[way].append(1e3 * queued_device_s(lambda p=per_sm: chain(p), args.repeats))
+            device[way].append(1e3 * queued_device_s(threaded(per_sm), args.repeats))
     result = {
         "benchmark": "Flash-Next gated-residual opens, separate launches vs fused, bf16",
         "environment": environment(),
@@ -126,7 +137,7 @@ def main() -> None:
             "device_us_an_open": 1e3 * ms / args.opens,
             "device_runs": device[way],
             "same_bits_as_separate": same[way],
-            **host_ms(lambda p=per_sm: chain(p), args.host_chains),
+            **host_ms(threaded(per_sm), args.host_chains),
         }
         r = result["ways"][way]
         print(

@@ -23,7 +23,6 @@ launch, INTERNALS session 35).
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -47,9 +46,24 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def chain_ways(grid_sync, x, wa, wb, phases: int, blocks: list[int]) -> tuple[dict, dict]:
     """({blocks: the persistent chain's bits against the launches', its barrier}, {way: a
-    function making that way's chain})."""
+    function making that way's next chain}). Each chain a way makes reads the one before's
+    last output of K values: queued chains run one after another, as a step's launches do
+    (persistent launches of one site share their barrier's state: grid_sync.state)."""
+    k = x.shape[0]
+    last = phases - 1 if phases % 2 == 0 else phases - 2  # odd phases write K values
+
+    def threaded(step):
+        held = [x]
+
+        def make():
+            held[0] = step(held[0])
+            return held[0]
+
+        return make
+
     launches = grid_sync.chain_launches(x, wa, wb, phases)
-    checks, makes = {}, {"launches": lambda: grid_sync.chain_launches(x, wa, wb, phases)[-1]}
+    checks = {}
+    makes = {"launches": threaded(lambda v: grid_sync.chain_launches(v, wa, wb, phases)[last])}
     for b in blocks:
         ys, barrier = grid_sync.chain(x, wa, wb, phases, b)
         mx.eval(ys, barrier, launches)
@@ -59,11 +73,12 @@ def chain_ways(grid_sync, x, wa, wb, phases: int, blocks: list[int]) -> tuple[di
         }
         if checks[b]["barrier"][1] or not checks[b]["same_bits"]:
             continue  # not all resident (a wait gave up): each launch would wait ~0.3 s
-        makes[f"persistent_{b}"] = functools.partial(
-            lambda n: grid_sync.chain(x, wa, wb, phases, n)[0], b
+        makes[f"persistent_{b}"] = threaded(
+            lambda v, n=b: grid_sync.chain(v, wa, wb, phases, n)[0][last, :k]
         )
-        makes[f"barriers_{b}"] = functools.partial(
-            lambda n: grid_sync.chain(x, wa, wb, phases, n, False)[1], b
+        # the barriers alone: ys is not written, the next chain reads it all the same
+        makes[f"barriers_{b}"] = threaded(
+            lambda v, n=b: grid_sync.chain(v, wa, wb, phases, n, False)[0][last, :k]
         )
     return checks, makes
 

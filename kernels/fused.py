@@ -20,7 +20,8 @@ checks it where the engine uses a composition).
 
 Rules a composed kernel follows (the modules' step kernels do): one thread count for all;
 no thread leaves its body before a block barrier that others still reach (a `return` leaves
-the phase's function, not the launch); no output filled before the launch (init_value).
+the phase's function, not the launch); no output filled before the launch (init_value: MLX
+would fill every output of the fused launch, a kernel each).
 A stand-in must not be sliced, reshaped or computed on (its values are not real): only
 handed to a later launch of the capture, whole or through `view`.
 """
@@ -112,9 +113,11 @@ def capture() -> Iterator[Capture]:
         yield taken
 
 
-def launch(taken: Capture, blocks: int | None = None) -> Fused:
-    """Run the captured launches as one (`blocks` persistent blocks; default one an SM, at
-    most what the largest phase uses)."""
+def launch(taken: Capture, blocks: int | None = None, site: object = None) -> Fused:
+    """Run the captured launches as one (`blocks` persistent blocks; default the probe's
+    choice an SM, at most what the largest phase uses). Launches of one composition from
+    one `site` share the barrier's state: each must read an output of the one before
+    (grid_sync.state)."""
     spec, inputs, most, threads = compose(taken)
     kernel = _kernel(**spec)
     name = kernel.spec["name"]  # (jit's: with its text's digest, one per composition)
@@ -125,12 +128,11 @@ def launch(taken: Capture, blocks: int | None = None) -> Fused:
     out_shapes = [s for p in phases for s in p.call["output_shapes"]] + [(2,)]
     out_dtypes = [d for p in phases for d in p.call["output_dtypes"]] + [mx.uint32]
     results = kernel(
-        inputs=inputs,
+        inputs=[*inputs, grid_sync.state(name, site)],
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=out_shapes,
         output_dtypes=out_dtypes,
-        init_value=0,
     )
     real: dict[int, mx.array] = {}
     at = 0
@@ -278,11 +280,12 @@ def _fused_spec(phases: list[Phase], plan: list, names: list[str], virtual: list
         )
     source = (
         "unsigned qwen38_passed = 0;\n"
-        + "qwen38_grid::sync(qwen38_barrier, qwen38_passed);\n".join(calls)
+        + "qwen38_grid::sync(QWEN38_GRID_STATE(qwen38_state), qwen38_passed);\n".join(calls)
+        + "qwen38_grid::finish(QWEN38_GRID_STATE(qwen38_state), qwen38_barrier);\n"
     )
     return {
         "name": f"qwen38_fused{len(phases)}",
-        "input_names": names,
+        "input_names": [*names, "qwen38_state"],
         "output_names": [*outputs, "qwen38_barrier"],
         "header": grid_sync.GRID_BARRIER + INDEX + "".join(headers) + "".join(functions),
         "source": source,
@@ -327,19 +330,22 @@ def whole_view(a: mx.array, offset: int, shape: tuple[int, ...]) -> mx.array:
     return a.reshape(-1)[offset : offset + math.prod(shape)].reshape(shape)
 
 
-def run(build: Callable, blocks: int | None = None) -> list[mx.array] | None:
+def run(build: Callable, site: object = None) -> list[mx.array] | None:
     """build(view)'s launches as one fused launch: the real arrays of the outputs build
-    returns, or None where build returned None (nothing ran: a capture launches nothing)."""
-    fused = _fused_run(build, blocks)
+    returns, or None where build returned None (nothing ran: a capture launches nothing).
+    `site`: the caller's key (launch)."""
+    fused = _fused_run(build, None, site)
     return None if fused is None else fused[0]
 
 
-def _fused_run(build: Callable, blocks: int | None) -> tuple[list[mx.array], Fused] | None:
+def _fused_run(
+    build: Callable, blocks: int | None, site: object = None
+) -> tuple[list[mx.array], Fused] | None:
     with capture() as taken:
         stand_ins = build(taken.view)
     if stand_ins is None:
         return None
-    real = launch(taken, blocks)
+    real = launch(taken, blocks, site)
     return [real(s) for s in stand_ins], real
 
 

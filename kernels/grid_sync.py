@@ -12,11 +12,17 @@ grid is resident at once, so a persistent launch takes at most one block per SM 
 from %nsmid), and a wait gives up after SPIN_LIMIT polls and raises the launch's error flag
 instead of hanging (a result with the flag set is not to be used; `available()` refuses).
 
-The count and the flag are an output (`barrier`, uint32 [2]) that MLX fills with zeros before
-the launch (init_value), so nothing has to reset them. A phase's input written by another SM
-in the phase before is read with ld.global.cg (L2, not the SM's own L1, which another SM's
-writes do not update). Shared memory holds nothing across a barrier (the CPU emulation runs
-the blocks as threads with their own shared memory, but the rule keeps phases independent).
+The count and the flag live in a persistent device buffer (`state(name)`, uint32 [3]: one a
+kernel name) that is zeros between launches: the last block to reach `finish` at the end of
+a launch reports [arrivals, gave up] in an output and zeros the buffer for the next launch.
+A fresh buffer a launch would cost a fill kernel for every output (MLX's init_value fills
+them all: a fused launch has one output for each output of its phases). Launches sharing
+a buffer must not overlap: MLX orders kernels by their data, and every launch a name is
+used for (`site`) reads what the one before it wrote (a layer's steps, token after token).
+A phase's input written by another SM in the phase before is read with ld.global.cg (L2,
+not the SM's own L1, which another SM's writes do not update). Shared memory holds nothing
+across a barrier (the CPU emulation runs the blocks as threads with their own shared
+memory, but the rule keeps phases independent).
 
 The chain: P phases y_p = W_p y_(p-1), alternating a [N, K] and a [K, N] weight, each output
 computed by one warp (16-byte loads, fp32 fmaf in ascending order, a warp butterfly), so the
@@ -65,6 +71,28 @@ __device__ __forceinline__ void sync(unsigned* barrier, unsigned& passed) {
     }
     __syncthreads();
 }
+
+// The end of a launch, reached by every thread: barrier[2] counts the blocks done; the last
+// one (every other block has left its waits) writes [arrivals, gave up] to report and zeros
+// the barrier for the next launch. True in that block's thread 0.
+__device__ __forceinline__ bool finish(unsigned* barrier, unsigned* report) {
+    __syncthreads();
+    if (threadIdx.x != 0) return false;
+    const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+    __threadfence();
+    if (atomicAdd(barrier + 2, 1u) != blocks - 1) return false;
+    __threadfence();
+    volatile unsigned* seen = barrier;
+    report[0] = seen[0];
+    report[1] = seen[1];
+    for (int i = 0; i < 3; ++i) atomicExch(barrier + i, 0u);
+    __threadfence();
+    return true;
+}
+
+// The persistent state a launch takes as its input `name` (inputs are const to MLX; the
+// barrier writes it, and leaves it as it found it).
+#define QWEN38_GRID_STATE(name) const_cast<unsigned*>(reinterpret_cast<const unsigned*>(name))
 }  // namespace qwen38_grid
 """.replace("__SPIN_LIMIT__", f"{SPIN_LIMIT}u")
 
@@ -112,9 +140,10 @@ _CHAIN = """
             const bool even = p % 2 == 0;
             qwen38_chain::product<T>(even ? wa : wb, v, y, even ? N : K, even ? K : N, gw, stride);
         }
-        if (p + 1 < P) qwen38_grid::sync(barrier, passed);
+        if (p + 1 < P) qwen38_grid::sync(QWEN38_GRID_STATE(barrier), passed);
         v = y;
     }
+    qwen38_grid::finish(QWEN38_GRID_STATE(barrier), report);
 """
 
 # One phase alone: the same warp arithmetic, one output a warp.
@@ -135,8 +164,8 @@ _SMS = """
 def _chain_kernel():
     return cuda_kernel(
         name="qwen38_grid_chain",
-        input_names=["x", "wa", "wb"],
-        output_names=["ys", "barrier"],
+        input_names=["x", "wa", "wb", "barrier"],
+        output_names=["ys", "report"],
         header=GRID_BARRIER + _PRODUCT,
         source=_CHAIN,
     )
@@ -190,22 +219,44 @@ def check_chain(x: mx.array, wa: mx.array, wb: mx.array) -> None:
 
 
 def chain(
-    x: mx.array, wa: mx.array, wb: mx.array, phases: int, blocks: int, work: bool = True
+    x: mx.array,
+    wa: mx.array,
+    wb: mx.array,
+    phases: int,
+    blocks: int,
+    work: bool = True,
+    site: object = None,
 ) -> tuple[mx.array, mx.array]:
-    """(ys [phases, max(N, K)], barrier uint32 [2]) of the chain as one launch of `blocks`
-    blocks (at most one an SM: `sm_count()`); barrier[1] != 0: a wait gave up, ys is not to
-    be used. work=False: the barriers alone (ys then holds the fill, zeros)."""
+    """(ys [phases, max(N, K)], report uint32 [2]: arrivals, gave up) of the chain as one
+    launch of `blocks` blocks (all resident at once: a few an SM, `sm_count()`); report[1]
+    != 0: a wait gave up, ys is not to be used. work=False: the barriers alone (ys then is
+    not written). Chains of one `site` share the barrier's state: each must read what the
+    one before wrote (state())."""
     check_chain(x, wa, wb)
     n, k = wa.shape
     return _chain_kernel()(
-        inputs=[x, wa, wb],
+        inputs=[x, wa, wb, state("qwen38_grid_chain", site)],
         template=[("T", x.dtype), ("P", phases), ("N", n), ("K", k), ("WORK", work)],
         grid=(blocks * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(phases, max(n, k)), (2,)],
         output_dtypes=[x.dtype, mx.uint32],
-        init_value=0,
     )
+
+
+_STATES: dict[tuple, mx.array] = {}
+
+
+def state(name: str, site: object = None) -> mx.array:
+    """The barrier's persistent state for launches of kernel `name` from `site` (a caller's
+    key: a layer's, say): uint32 [3] of zeros, made once; each launch leaves it zeros
+    (module docstring). Launches sharing it must not overlap on the device: MLX runs
+    kernels with no data between them concurrently, so each must read an output of the one
+    before (a layer's steps: its state)."""
+    key = (name, site)
+    if key not in _STATES:  # made from data, not by an op: inside a compiled trace too
+        _STATES[key] = mx.array([0, 0, 0], dtype=mx.uint32)
+    return _STATES[key]
 
 
 def chain_launches(x: mx.array, wa: mx.array, wb: mx.array, phases: int) -> list[mx.array]:

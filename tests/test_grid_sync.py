@@ -138,9 +138,40 @@ def test_a_persistent_chain_equals_its_launches(emulated, dtype):
     for p, want in enumerate(_chain_numpy(x, wa, wb, phases, dtype)):
         got = np.array(ys[p, : want.shape[0]].astype(mx.float32))
         assert np.allclose(got, want, rtol=4 * eps, atol=4 * eps * np.abs(want).max())
-    ys, barrier = grid_sync.chain(x, wa, wb, phases, blocks, work=False)
+    _, barrier = grid_sync.chain(x, wa, wb, phases, blocks, work=False)
     assert barrier.tolist() == [blocks * (phases - 1), 0]
-    assert not ys.any().item()
+
+
+def test_the_last_block_reports_and_zeros_the_state(emulated):
+    """finish(): every block counts itself done; exactly one (the last) reports [arrivals,
+    gave up] and finds the state zeros after it, ready for the next launch."""
+    kernel = EmulatedKernel(
+        name="finish",
+        input_names=["state"],
+        output_names=["report", "after", "lasts"],
+        header=grid_sync.GRID_BARRIER,
+        source="""
+    unsigned passed = 0;
+    unsigned* barrier = QWEN38_GRID_STATE(state);
+    qwen38_grid::sync(barrier, passed);
+    qwen38_grid::sync(barrier, passed);
+    if (qwen38_grid::finish(barrier, report)) {
+        for (int i = 0; i < 3; ++i) after[i] = barrier[i];
+        atomicAdd(lasts, 1u);
+    }
+""",
+    )
+    report, after, lasts = kernel(
+        inputs=[grid_sync.state("finish")],
+        grid=(4 * 32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(2,), (3,), (1,)],
+        output_dtypes=[mx.uint32] * 3,
+        init_value=7,
+    )
+    assert report.tolist() == [4 * 2, 0]
+    assert after.tolist() == [0, 0, 0]
+    assert lasts.tolist() == [7 + 1]  # one block, of four, was the last
 
 
 def test_the_probe_passes_and_refuses(emulated, monkeypatch):

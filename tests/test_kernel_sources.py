@@ -318,7 +318,10 @@ def test_grid_sync_kernels_compile(recorded, tmp_path, dtype):
     for name, kernel in recorded.items():
         types = {n: t for n in kernel["inputs"] + kernel["outputs"]}
         types.update(
-            barrier="uint32_t", sms="uint32_t", x=t if name != "qwen38_grid_sms" else "float"
+            barrier="uint32_t",
+            report="uint32_t",
+            sms="uint32_t",
+            x=t if name != "qwen38_grid_sms" else "float",
         )
         template = [("T", dtype)]
         if name == "qwen38_grid_chain":  # the low-rank pair's shapes, work and barriers alone
@@ -392,7 +395,7 @@ def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
 def _compiles_fused(tmp_path, fused, taken) -> None:
     """nvcc compiles the fused kernel of these captured launches."""
     spec, inputs, _, _ = fused.compose(taken)
-    dtypes = [a.dtype for a in inputs]
+    dtypes = [a.dtype for a in inputs] + [mx.uint32]  # the barrier's state
     dtypes += [d for p in taken.phases for d in p.call["output_dtypes"]] + [mx.uint32]
     names = spec["input_names"] + spec["output_names"]
     kernel = {

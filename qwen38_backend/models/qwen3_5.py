@@ -88,7 +88,7 @@ class Qwen35Block(PreNormBlock):
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
         if str(h.dtype) in self._fuse_linear_for:
             fused = kernel_module("fused").run(
-                lambda view: self._linear_launches(h, conv, recurrent, view)
+                lambda view: self._linear_launches(h, conv, recurrent, view), site=id(self)
             )
             if fused is not None:  # (a one-row step's conv inputs are its history)
                 out, last, states = fused
