@@ -248,12 +248,12 @@ def test_flash_next_steps_fuse_their_close_and_open(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow  # ~4 min: the products and the Gated DeltaNet kernel emulated, twice
-def test_27b_steps_fuse_their_gated_deltanet_layers(monkeypatch, tmp_path):
+def test_27b_steps_fuse_their_layers(monkeypatch, tmp_path):
     """A tiny 27B (fp32, key and value heads of 32) decoding with its products (their norm
     prologues and epilogues) and the Gated DeltaNet kernel emulated: with
     QWEN38_FUSED_KERNEL on, every Gated DeltaNet layer's one-row step runs as one fused
-    launch, rows of several (prefill, verify) apart, and the greedy tokens are those of the
-    launches apart."""
+    launch, and every attention layer's from o_proj on, rows of several (prefill, verify)
+    apart, and the greedy tokens are those of the launches apart."""
     import qwen38_backend
     from qwen38_backend.models.qwen3_5 import Qwen35Block
     from qwen38_backend.testing import make_tiny_weights
@@ -273,15 +273,20 @@ def test_27b_steps_fuse_their_gated_deltanet_layers(monkeypatch, tmp_path):
     )
     prompt = [(3 * i + 5) % 200 + 2 for i in range(7)]
     launches, steps = _count(monkeypatch, fused, "launch"), []
-    step = Qwen35Block._linear_step
 
-    def recorded_step(self, h, *args):  # (rows, fused launches in the step)
-        before = len(launches)
-        out = step(self, h, *args)
-        steps.append((h.shape[0], len(launches) - before))
-        return out
+    def recorded(method: str):  # (rows, fused launches in the call)
+        real = getattr(Qwen35Block, method)
 
-    monkeypatch.setattr(Qwen35Block, "_linear_step", recorded_step)
+        def call(self, h, *args):
+            before = len(launches)
+            out = real(self, h, *args)
+            steps.append((h.shape[0], len(launches) - before))
+            return out
+
+        monkeypatch.setattr(Qwen35Block, method, call)
+
+    recorded("_linear_step")
+    recorded("_attention_out")
 
     def reset() -> None:
         for module in modules:
@@ -299,8 +304,7 @@ def test_27b_steps_fuse_their_gated_deltanet_layers(monkeypatch, tmp_path):
     assert all(fused == 0 for _, fused in steps[:split])  # nothing fused while off
     after = steps[split + 1 :]
     layers = qwen38_backend.load(str(path), dtype="float32").net.model.layers
-    linear = sum(b.is_linear for b in layers)
-    assert after[-linear:] == [(1, 1)] * linear  # the last token's steps: each one launch
+    assert after[-len(layers) :] == [(1, 1)] * len(layers)  # the last token's: one launch each
     assert all(fused == (rows == 1) for rows, fused in after)  # several rows apart
 
 
@@ -433,23 +437,31 @@ def test_a_composition_not_resident_at_two_blocks_an_sm_runs_at_one(emulation, m
     assert fused.launch(taken).barrier.tolist() == [2 * 2, 0]  # 2 blocks, 2 barriers, no give-up
 
 
-def _random_27b_linear_block(dtype):
-    """A 27B Gated DeltaNet block (the tiny config with key and value heads of 32, the Gated
-    DeltaNet kernel's smallest) with random weights in `dtype`, fused as loaded, and a
-    one-row step's conv history and recurrent state."""
-    from qwen38_backend.config import LINEAR, Qwen35Config
+def _random_27b_block(dtype, kind: str):
+    """A 27B block of `kind` (the tiny config with Gated DeltaNet key and value heads of 32,
+    its kernel's smallest) with random weights in `dtype` (the norms' too), fused as loaded."""
+    from qwen38_backend.config import Qwen35Config
     from qwen38_backend.models.layers import fuse_projections
     from qwen38_backend.models.qwen3_5 import Qwen35Block
     from qwen38_backend.testing.tiny_qwen3_5 import text_config
 
     cfg = Qwen35Config.from_dict(text_config(linear_key_head_dim=32, linear_value_head_dim=32))
     mx.random.seed(7)
-    block = Qwen35Block(cfg, LINEAR)
+    block = Qwen35Block(cfg, kind)
     for name, value in tree_flatten(block.parameters()):  # norms off their ones
         if "norm" in name:
             block.update(tree_unflatten([(name, 0.3 * mx.random.normal(value.shape))]))
     block.set_dtype(dtype)
     fuse_projections(block)
+    return block
+
+
+def _random_27b_linear_block(dtype):
+    """A 27B Gated DeltaNet block (_random_27b_block) and a one-row step's conv history and
+    recurrent state."""
+    from qwen38_backend.config import LINEAR
+
+    block = _random_27b_block(dtype, LINEAR)
     mixer = block.linear_attn
     keys = mx.random.split(mx.random.key(8), 2)
     conv = mx.random.normal((mixer.conv_kernel - 1, mixer.conv_dim), key=keys[0]).astype(dtype)
@@ -504,3 +516,38 @@ def test_a_27b_layer_stays_apart_where_its_norms_are_ops(emulated_layer, monkeyp
         rows.prepare(mx.float32)
         block._decide_fusion(mx.float32)
     assert block._fusion_decided == {str(mx.float32)} and not block._fuse_linear_for
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_27b_attention_output_fuses_bit_for_bit(emulated_layer, monkeypatch, dtype):
+    """A 27B attention block's one-row step after its attention (o_proj with the residual,
+    the post-attention norm, gate / up with the swiglu, down with the residual) as one
+    launch: its probe passes, and the block's output equals the step with its launches apart,
+    bit for bit (the attention's gate applied first, as ops, in both)."""
+    from qwen38_backend import rows
+    from qwen38_backend.config import FULL
+
+    monkeypatch.setenv("QWEN38_ROWS_NORM", "force")
+    block = _random_27b_block(dtype, FULL)
+    attn = block.self_attn
+    heads, width = attn.n_heads, attn.head_dim
+    keys = mx.random.split(mx.random.key(10), 3)
+    H = attn.o_proj.weight.shape[0]
+    h = 2 * mx.random.normal((1, H), key=keys[0])
+    out = mx.random.normal((1, heads, 1, width), key=keys[1]).astype(dtype)
+    gate = mx.random.normal((1, heads * width), key=keys[2]).astype(dtype)
+    launches = _count(monkeypatch, fused, "launch")
+    with rows.unpadded():
+        rows.prepare(dtype)
+        for rows_in in {mx.float32, dtype}:
+            x = h.astype(rows_in)
+            block._decide_out_fusion(rows_in)
+            assert str(rows_in) in block._fuse_out_for  # the probe passed
+            launches.clear()
+            together = block._attention_out(x, out, gate)
+            mx.eval(together)
+            assert len(launches) == 1
+            block._fuse_out_for = frozenset()
+            apart = block._attention_out(x, out, gate)
+            assert len(launches) == 1
+            assert together.dtype == apart.dtype and mx.array_equal(together, apart).item()

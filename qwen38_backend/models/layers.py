@@ -15,6 +15,7 @@ from ..rows import (
     STEP_MAX_ROWS,
     forward_pad,
     kernel_dtype,
+    kernel_product,
     project,
     quantized_mode,
     split_rows,
@@ -386,6 +387,8 @@ class PreNormBlock(nn.Module):
 
     def decode_attention(self, h: mx.array, kv, offset: int) -> mx.array:
         self.self_attn.prepare_decode()  # outside the trace: the kernel's probe runs ops
+        if h.shape[0] == 1 and str(h.dtype) not in self._out_decided:
+            self._decide_out_fusion(h.dtype)  # outside the trace: its probe runs launches
         # the position as an array: a Python int would be traced as a constant
         q, k, v, *gate = compiled(self, "_attention_in")(h, scalars.int32(offset))
         finish = compiled(self, "_attention_out")
@@ -400,10 +403,42 @@ class PreNormBlock(nn.Module):
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attention_out(self, h: mx.array, out: mx.array, gate: mx.array | None = None):
-        attn = self.self_attn
-        return residual_step(
-            h, attn.gated(out, gate), attn.o_proj, self.post_attention_layernorm, self.mlp
-        )
+        attn, post = self.self_attn, self.post_attention_layernorm
+        a = attn.gated(out, gate)
+        if str(h.dtype) in self._fuse_out_for:
+            fused = kernel_module("fused").run(
+                lambda view: _listed(residual_launches(h, a, attn.o_proj, post, self.mlp)),
+                site=id(self),
+            )
+            if fused is not None:
+                return fused[0]
+        return residual_step(h, a, attn.o_proj, post, self.mlp)
+
+    # the block input dtypes whose one-row step runs o_proj to the block's output as one
+    # fused launch (residual_launches), and those decided (frozensets: a module would hold a
+    # dict as a child)
+    _fuse_out_for: frozenset[str] = frozenset()
+    _out_decided: frozenset[str] = frozenset()
+
+    def _decide_out_fusion(self, h_dtype: mx.Dtype) -> None:
+        """Whether a one-row step's o_proj (with the residual), post-attention norm and MLP
+        (with the residual) run as one launch with the bits of their launches apart
+        (kernels/fused.py; probed on random rows of these dtypes, once per shape)."""
+        fused, attn = kernel_module("fused"), self.self_attn
+        if fused is not None and "gate_up_proj" in self.mlp:
+            keys = mx.random.split(mx.random.key(46), 2)
+            o_proj = attn.o_proj.weight
+            h = mx.random.normal((1, o_proj.shape[0]), key=keys[0]).astype(h_dtype)
+            a = mx.random.normal((1, o_proj.shape[1]), key=keys[1]).astype(o_proj.dtype)
+            post, mlp = self.post_attention_layernorm, self.mlp
+            products = [attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            kinds = [(type(p).__name__, p.weight.shape, str(p.weight.dtype)) for p in products]
+            key = ("attention out", str(h_dtype), kinds)
+            if fused.agrees(
+                str(key), lambda view: _listed(residual_launches(h, a, attn.o_proj, post, mlp))
+            ):
+                self._fuse_out_for |= {str(h_dtype)}
+        self._out_decided |= {str(h_dtype)}
 
 
 def residual_step(
@@ -419,6 +454,24 @@ def residual_step(
     one back). A sum cast back to the products' dtype first is exact."""
     s = project(out_proj, a, residual=h, dtype=norm.compute_dtype(h.dtype))
     return mlp(s, residual=s, dtype=s.dtype, norm=norm)
+
+
+def residual_launches(
+    h: mx.array, a: mx.array, out_proj: nn.Module, norm: RMSNorm, mlp: nn.Module
+) -> mx.array | None:
+    """residual_step's output for a step's rows as launches with nothing between them
+    (rows.kernel_product: out_proj with the residual, the norm as a launch of its own, gate /
+    up with the swiglu, down with the residual), with residual_step's bits, or None where
+    the step does not run them: what a fused launch takes as phases (kernels/fused.py)."""
+    if "gate_up_proj" not in mlp:
+        return None
+    s = kernel_product(out_proj, a, residual=h, dtype=norm.compute_dtype(h.dtype))
+    y = None if s is None else kernel_product(mlp.gate_up_proj, s, swiglu=True, norm=norm)
+    return None if y is None else kernel_product(mlp.down_proj, y, residual=s, dtype=s.dtype)
+
+
+def _listed(a: mx.array | None) -> list[mx.array] | None:
+    return None if a is None else [a]
 
 
 @mx.compile

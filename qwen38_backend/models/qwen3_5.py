@@ -14,11 +14,19 @@ from .. import rows
 from ..config import LINEAR, Qwen35Config
 from ..kernel_import import kernel_module
 from ..kv.contiguous import ContiguousKV
-from ..rows import STEP_MAX_ROWS, kernel_product
+from ..rows import STEP_MAX_ROWS
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
-from .layers import Attention, PreNormBlock, RMSNorm, SwiGLU, residual_step, rope_from_config
+from .layers import (
+    Attention,
+    PreNormBlock,
+    RMSNorm,
+    SwiGLU,
+    residual_launches,
+    residual_step,
+    rope_from_config,
+)
 
 # Norms that are zero-centred (1 + w). mlx-lm converted repos store them with +1 folded in.
 _ZC_NORM_SUFFIXES = (
@@ -139,14 +147,12 @@ class Qwen35Block(PreNormBlock):
         """[the block's output, the conv history after, the recurrent state after] of a
         one-row step as launches with nothing between them (GatedDeltaNet.core_launches,
         then rows.kernel_product with residual_step's epilogues), or None."""
-        mixer, post, mlp = self.linear_attn, self.post_attention_layernorm, self.mlp
+        mixer, post = self.linear_attn, self.post_attention_layernorm
         core = mixer.core_launches(h, conv, recurrent, view, norm=self.input_layernorm)
-        if core is None or "gate_up_proj" not in mlp:
+        if core is None:
             return None
         o, last, states = core
-        s = kernel_product(mixer.out_proj, o, residual=h, dtype=post.compute_dtype(h.dtype))
-        y = None if s is None else kernel_product(mlp.gate_up_proj, s, swiglu=True, norm=post)
-        out = None if y is None else kernel_product(mlp.down_proj, y, residual=s, dtype=s.dtype)
+        out = residual_launches(h, o, mixer.out_proj, post, self.mlp)
         return None if out is None else [out, last, states]
 
 
