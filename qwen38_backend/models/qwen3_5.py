@@ -94,7 +94,7 @@ class Qwen35Block(PreNormBlock):
         return h
 
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
-        if str(h.dtype) in self._fuse_linear_for:
+        if h.shape[0] == 1 and str(h.dtype) in self._fuse_linear_for:
             fused = kernel_module("fused").run(
                 lambda view: self._linear_launches(h, conv, recurrent, view), site=id(self)
             )
