@@ -101,7 +101,7 @@ def selection_parts(store, n: int, repeats: int) -> dict:
         mx.eval(ready)
         top = mx.compile(lambda k: quest.top_pages(k, n_sel))
         out["top_k_ms"] = 1e3 * chained(lambda i: top(ready[i]), n, repeats)
-        if quest.top_kernel_usable(ready[0], n_sel):
+        if quest.top_kernel_usable(ready[0].shape[1], n_sel):
             from qwen38_backend.kernels import top_select
 
             top_kernel = lambda i: top_select.top_ids(ready[i], n_sel)  # noqa: E731

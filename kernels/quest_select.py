@@ -119,12 +119,12 @@ _KEYS = """
 
 
 @functools.cache
-def _keys_kernel():
+def _keys_kernel(threads: int = THREADS):
     return cuda_kernel(
         name="qwen38_quest_page_keys",
         input_names=["q", "kmin", "kmax", "counts"],
         output_names=["keys"],
-        source=_KEYS.replace("__THREADS__", str(THREADS)),
+        source=_KEYS.replace("__THREADS__", str(threads)),
         header=VECTORS,
     )
 
@@ -137,14 +137,17 @@ def page_keys(
     sink_pages: int,
     recent_pages: int,
     shared: bool,
+    threads: int = THREADS,
 ) -> mx.array:
     """uint64 order keys [rows, capacity] of every page slot (rows: 1 when `shared`, else
     Hkv): quest.order_keys of the Quest bound of q [Hq, D] over kmin / kmax [Hkv, capacity,
-    D], +inf for the forced pages and -inf past n_pages (an int32 scalar array)."""
+    D], +inf for the forced pages and -inf past n_pages (an int32 scalar array). `threads`
+    a block (a multiple of 32: the launch a fused one's phase takes, kernels/fused.py): a
+    warp a page whatever the block, so the same bits."""
     hkv, capacity, d = kmax.shape
     rows = 1 if shared else hkv
-    warps = THREADS // 32
-    (keys,) = _keys_kernel()(
+    warps = threads // 32
+    (keys,) = _keys_kernel(threads)(
         inputs=[q, kmin, kmax, n_pages.reshape(1)],
         template=[
             ("M", kmax.dtype),
@@ -155,8 +158,8 @@ def page_keys(
             ("RECENT", recent_pages),
             ("SHARED", int(shared)),
         ],
-        grid=(-(-capacity // warps) * THREADS, rows, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(-(-capacity // warps) * threads, rows, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(rows, capacity)],
         output_dtypes=[mx.uint64],
     )

@@ -450,3 +450,27 @@ def test_a_fused_27b_gated_deltanet_layer_compiles(tmp_path, monkeypatch, dtype)
         rows_matmul.rows_matmul(act, zeros(H, inter), residual=s, dtype=mx.float32)
     assert len(taken.phases) == 7
     _compiles_fused(tmp_path, fused, taken)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_fused_quest_selection_compiles(tmp_path, monkeypatch, shared):
+    """kernels/fused.py's composition of a Quest selection at the 27B's shapes (24 query
+    heads, 4 KV heads of 256, bf16 metadata of 8,192 pages, 2,048 tokens of pages of 16):
+    the page keys at the top-k's 1,024 threads, then the top-k (kv/quest.py's `together`)."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("--run-nvcc needs nvcc on PATH")
+    from qwen38_backend.kernels import fused
+
+    for module in (quest_select, top_select):
+        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
+    for factory in FACTORIES:
+        factory.cache_clear()
+    meta = mx.zeros((4, 8192, 256), mx.bfloat16)
+    with fused.capture() as taken:
+        keys = quest_select.page_keys(
+            mx.zeros((24, 256), mx.bfloat16), meta, meta, mx.array(8000, mx.int32), 1, 2,
+            shared, threads=top_select.THREADS,
+        )  # fmt: skip
+        top_select.top_ids(keys, 128)
+    assert len(taken.phases) == 2
+    _compiles_fused(tmp_path, fused, taken)

@@ -395,7 +395,7 @@ def test_quest_selection_through_both_kernels(emulated_select, monkeypatch, shar
     n_pages = mx.array(1300, dtype=mx.int32)
     try:
         got = quest.selector(96, 1, 2, shared)(q, kmin, kmax, n_pages)
-        assert quest.top_kernel_usable(mx.zeros((1, 1500), mx.uint64), 96)
+        assert quest.top_kernel_usable(1500, 96)
         quest.selector.cache_clear()
         monkeypatch.setenv("QWEN38_QUEST_KERNEL", "off")
         monkeypatch.setenv("QWEN38_QUEST_TOP_KERNEL", "off")
@@ -670,3 +670,43 @@ def test_gdn_prefill_kernels_pass_their_probe(monkeypatch, kind):
         assert gdn_prefill.probe(kind, 128, 128, 64) is None
     finally:
         clear_caches(gdn_prefill)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_quest_selection_fuses_its_two_launches(emulated_select, monkeypatch, shared):
+    """With QWEN38_FUSED_KERNEL on, a Quest selection's page keys and top-k run as one
+    persistent launch (kernels/fused.py: a grid barrier between them; its probe passes on
+    these operands) and pick the pages of the two launches apart: 27B heads, 1,300 live
+    pages of a 1,500 capacity."""
+    from qwen38_backend.kernels import fused, grid_sync
+
+    for module in (quest_select, fused, grid_sync):
+        emulate(monkeypatch, module)
+    monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
+    monkeypatch.setenv("QWEN38_QUEST_KERNEL", "force")  # the page keys' probe: its own test
+    keys = mx.random.split(mx.random.key(4), 3)
+    q = mx.random.normal((24, 256), key=keys[0]).astype(mx.bfloat16)
+    lo = mx.random.normal((4, 1500, 256), key=keys[1])
+    hi = lo + mx.abs(mx.random.normal((4, 1500, 256), key=keys[2]))
+    kmin, kmax = quest.outward_bf16(lo, hi)
+    n_pages = mx.array(1300, dtype=mx.int32)
+    launches = []
+    real = fused.launch
+    monkeypatch.setattr(fused, "launch", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    mx.disable_compile()  # the emulated kernels run on values, not on a trace's
+    try:
+        for choice in ("off", "auto"):
+            monkeypatch.setenv("QWEN38_FUSED_KERNEL", choice)
+            quest.selector.cache_clear()
+            fused.agrees.cache_clear()
+            got = quest.selector(96, 1, 2, shared)(q, kmin, kmax, n_pages)
+            if choice == "off":
+                apart = got
+                assert not launches
+        assert len(launches) == 2  # the probe's, the selection's
+        assert got.tolist() == apart.tolist()
+    finally:
+        mx.enable_compile()
+        quest.selector.cache_clear()
+        for module in (quest_select, fused, grid_sync):
+            clear_caches(module)

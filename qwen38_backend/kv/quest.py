@@ -24,6 +24,7 @@ selection recall the most attention mass at the same token budget (8-token pages
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from functools import lru_cache, partial
 
 import mlx.core as mx
@@ -313,22 +314,54 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
 
     ops, top = mx.compile(select), mx.compile(partial(top_pages, n_select=n_select))
 
+    def keys_of(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array, **threads):
+        kernel = kernel_module("quest_select")
+        pages = (sink_pages, recent_pages, shared)
+        return kernel.page_keys(q, kmin, kmax, n_pages, *pages, **threads)
+
+    def launches(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array, **threads):
+        top_select = kernel_module("top_select")
+        return [top_select.top_ids(keys_of(q, kmin, kmax, n_pages, **threads), n_select)]
+
+    def together(*operands) -> list:
+        """Both launches as one (kernels/fused.py: one thread count, the top-k's)."""
+        threads = kernel_module("top_select").THREADS  # page keys: a warp a page, any block
+        return launches(*operands, threads=threads)
+
+    # traced once per shape: a selection runs outside the layers' compiled graphs, and
+    # composing the fused launch is host work
+    fused = mx.compile(lambda *operands: kernel_module("fused").run(lambda _: together(*operands)))
+
+    choice = (n_select, sink_pages, recent_pages, shared)
+
     def run(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
-        if kernel_usable(q, kmin, kmax):
-            kernel = kernel_module("quest_select")
-            keys = kernel.page_keys(q, kmin, kmax, n_pages, sink_pages, recent_pages, shared)
-            if top_kernel_usable(keys, n_select):
-                chosen = kernel_module("top_select").top_ids(keys, n_select)
-            else:
-                chosen = top(keys)
-            return mx.broadcast_to(chosen, (kmin.shape[0], n_select))
-        return ops(q, kmin, kmax, n_pages)
+        if not kernel_usable(q, kmin, kmax):
+            return ops(q, kmin, kmax, n_pages)
+        if not top_kernel_usable(kmin.shape[1], n_select):
+            chosen = top(keys_of(q, kmin, kmax, n_pages))
+        elif _fuses((q, kmin, kmax, n_pages), together, choice):
+            (chosen,) = fused(q, kmin, kmax, n_pages)
+        else:
+            chosen = launches(q, kmin, kmax, n_pages)[0]
+        return mx.broadcast_to(chosen, (kmin.shape[0], n_select))
 
     return run
 
 
-def top_kernel_usable(keys: mx.array, n_select: int) -> bool:
-    """Whether the page keys' top-k runs as one launch (kernels/top_select.py, where its
-    probe passed; QWEN38_QUEST_TOP_KERNEL)."""
+def _fuses(operands: tuple, launches: Callable, choice: tuple) -> bool:
+    """Whether the page keys and their top-k (`launches` of `operands`) run as one launch
+    with the bits of the two (kernels/fused.py's probe, on these operands, once per shape
+    and `choice`: the metadata's capacity is in the fused kernel's text)."""
+    fused = kernel_module("fused")
+    if fused is None:
+        return False
+    q, kmin = operands[:2]
+    key = ("quest selection", choice, q.shape, kmin.shape, str(q.dtype), str(kmin.dtype))
+    return fused.agrees(str(key), lambda _: launches(*operands))
+
+
+def top_kernel_usable(capacity: int, n_select: int) -> bool:
+    """Whether the top-k of `capacity` page keys runs as one launch (kernels/top_select.py,
+    where its probe passed; QWEN38_QUEST_TOP_KERNEL)."""
     kernel = kernel_module("top_select")
-    return kernel is not None and keys.shape[1] > n_select and kernel.top_available(n_select)
+    return kernel is not None and capacity > n_select and kernel.top_available(n_select)
