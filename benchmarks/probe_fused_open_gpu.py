@@ -93,7 +93,8 @@ def main() -> None:
 
     def threaded(per_sm: int):
         """A make() whose chain starts from the last one's outputs: queued chains run one
-        after another (the fused launches share their barrier's state: grid_sync.state)."""
+        after another, as a step's do (two persistent launches at once would not all be
+        resident)."""
         held = [(R0, inj0, out0)]
 
         def make():

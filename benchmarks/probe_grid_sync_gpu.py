@@ -48,7 +48,7 @@ def chain_ways(grid_sync, x, wa, wb, phases: int, blocks: list[int]) -> tuple[di
     """({blocks: the persistent chain's bits against the launches', its barrier}, {way: a
     function making that way's next chain}). Each chain a way makes reads the one before's
     last output of K values: queued chains run one after another, as a step's launches do
-    (persistent launches of one site share their barrier's state: grid_sync.state)."""
+    (two persistent launches at once would not all be resident)."""
     k = x.shape[0]
     last = phases - 1 if phases % 2 == 0 else phases - 2  # odd phases write K values
 

@@ -113,11 +113,9 @@ def capture() -> Iterator[Capture]:
         yield taken
 
 
-def launch(taken: Capture, blocks: int | None = None, site: object = None) -> Fused:
+def launch(taken: Capture, blocks: int | None = None) -> Fused:
     """Run the captured launches as one (`blocks` persistent blocks; default the probe's
-    choice an SM, at most what the largest phase uses). Launches of one composition from
-    one `site` share the barrier's state: each must read an output of the one before
-    (grid_sync.state)."""
+    choice an SM, at most what the largest phase uses)."""
     spec, inputs, most, threads = compose(taken)
     kernel = _kernel(**spec)
     name = kernel.spec["name"]  # (jit's: with its text's digest, one per composition)
@@ -128,7 +126,7 @@ def launch(taken: Capture, blocks: int | None = None, site: object = None) -> Fu
     out_shapes = [s for p in phases for s in p.call["output_shapes"]] + [(2,)]
     out_dtypes = [d for p in phases for d in p.call["output_dtypes"]] + [mx.uint32]
     results = kernel(
-        inputs=[*inputs, grid_sync.state(name, site)],
+        inputs=[*inputs, grid_sync.fresh_state()],
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=out_shapes,
@@ -330,22 +328,19 @@ def whole_view(a: mx.array, offset: int, shape: tuple[int, ...]) -> mx.array:
     return a.reshape(-1)[offset : offset + math.prod(shape)].reshape(shape)
 
 
-def run(build: Callable, site: object = None) -> list[mx.array] | None:
+def run(build: Callable) -> list[mx.array] | None:
     """build(view)'s launches as one fused launch: the real arrays of the outputs build
-    returns, or None where build returned None (nothing ran: a capture launches nothing).
-    `site`: the caller's key (launch)."""
-    fused = _fused_run(build, None, site)
+    returns, or None where build returned None (nothing ran: a capture launches nothing)."""
+    fused = _fused_run(build, None)
     return None if fused is None else fused[0]
 
 
-def _fused_run(
-    build: Callable, blocks: int | None, site: object = None
-) -> tuple[list[mx.array], Fused] | None:
+def _fused_run(build: Callable, blocks: int | None) -> tuple[list[mx.array], Fused] | None:
     with capture() as taken:
         stand_ins = build(taken.view)
     if stand_ins is None:
         return None
-    real = launch(taken, blocks, site)
+    real = launch(taken, blocks)
     return [real(s) for s in stand_ins], real
 
 

@@ -12,13 +12,16 @@ grid is resident at once, so a persistent launch takes at most one block per SM 
 from %nsmid), and a wait gives up after SPIN_LIMIT polls and raises the launch's error flag
 instead of hanging (a result with the flag set is not to be used; `available()` refuses).
 
-The count and the flag live in a persistent device buffer (`state(name)`, uint32 [3]: one a
-kernel name) that is zeros between launches: the last block to reach `finish` at the end of
-a launch reports [arrivals, gave up] in an output and zeros the buffer for the next launch.
-A fresh buffer a launch would cost a fill kernel for every output (MLX's init_value fills
-them all: a fused launch has one output for each output of its phases). Launches sharing
-a buffer must not overlap: MLX orders kernels by their data, and every launch a name is
-used for (`site`) reads what the one before it wrote (a layer's steps, token after token).
+The count and the flag live in a uint32 [3] input made for each launch (`fresh_state()`: a
+zeros op, one small fill kernel), which the kernel writes through a const_cast; `finish`,
+at the end of a launch, reports [arrivals, gave up] in an output (the last block to get
+there) and puts the state back to zeros. Not an init_value output: MLX fills every output
+of a launch with init_value, one fill kernel an output (a fused launch has one for each
+output of its phases). Not one buffer kept across launches either: MLX orders kernels in its
+CUDA graphs by their data alone, so two launches with nothing between them (a step queued
+after an abandoned one, a bench's independent calls) may run at once, and would share it.
+(Zeroing it again at the end keeps it usable where MLX's compile merges two zeros ops of
+one graph into one buffer: launches there are ordered by their data.)
 A phase's input written by another SM in the phase before is read with ld.global.cg (L2,
 not the SM's own L1, which another SM's writes do not update). Shared memory holds nothing
 across a barrier (the CPU emulation runs the blocks as threads with their own shared
@@ -225,17 +228,15 @@ def chain(
     phases: int,
     blocks: int,
     work: bool = True,
-    site: object = None,
 ) -> tuple[mx.array, mx.array]:
     """(ys [phases, max(N, K)], report uint32 [2]: arrivals, gave up) of the chain as one
     launch of `blocks` blocks (all resident at once: a few an SM, `sm_count()`); report[1]
     != 0: a wait gave up, ys is not to be used. work=False: the barriers alone (ys then is
-    not written). Chains of one `site` share the barrier's state: each must read what the
-    one before wrote (state())."""
+    not written)."""
     check_chain(x, wa, wb)
     n, k = wa.shape
     return _chain_kernel()(
-        inputs=[x, wa, wb, state("qwen38_grid_chain", site)],
+        inputs=[x, wa, wb, fresh_state()],
         template=[("T", x.dtype), ("P", phases), ("N", n), ("K", k), ("WORK", work)],
         grid=(blocks * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
@@ -244,19 +245,9 @@ def chain(
     )
 
 
-_STATES: dict[tuple, mx.array] = {}
-
-
-def state(name: str, site: object = None) -> mx.array:
-    """The barrier's persistent state for launches of kernel `name` from `site` (a caller's
-    key: a layer's, say): uint32 [3] of zeros, made once; each launch leaves it zeros
-    (module docstring). Launches sharing it must not overlap on the device: MLX runs
-    kernels with no data between them concurrently, so each must read an output of the one
-    before (a layer's steps: its state)."""
-    key = (name, site)
-    if key not in _STATES:  # made from data, not by an op: inside a compiled trace too
-        _STATES[key] = mx.array([0, 0, 0], dtype=mx.uint32)
-    return _STATES[key]
+def fresh_state() -> mx.array:
+    """A launch's barrier state: uint32 [3] of zeros, made for it (module docstring)."""
+    return mx.zeros((3,), mx.uint32)
 
 
 def chain_launches(x: mx.array, wa: mx.array, wb: mx.array, phases: int) -> list[mx.array]:

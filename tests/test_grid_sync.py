@@ -162,7 +162,7 @@ def test_the_last_block_reports_and_zeros_the_state(emulated):
 """,
     )
     report, after, lasts = kernel(
-        inputs=[grid_sync.state("finish")],
+        inputs=[grid_sync.fresh_state()],
         grid=(4 * 32, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(2,), (3,), (1,)],

@@ -226,9 +226,7 @@ class GatedResidual(nn.Module):
         then's norm and both its products in one launch where `then` fuses them for R's
         dtype (a step's one row: prepare_decode), else close_then_norm and then.open."""
         if then._fuse_for == str(R.dtype) and self.closes_fused(R, inj, out):
-            fused = kernel_module("fused").run(
-                lambda v: then._open_launches(R, inj, out, v), site=id(then)
-            )
+            fused = kernel_module("fused").run(lambda v: then._open_launches(R, inj, out, v))
             if fused is not None:
                 closed, x, gated = fused
                 return closed, x, gated[:, then.lowrank :]

@@ -407,8 +407,7 @@ class PreNormBlock(nn.Module):
         a = attn.gated(out, gate)
         if h.shape[0] == 1 and str(h.dtype) in self._fuse_out_for:  # (what the probe ran)
             fused = kernel_module("fused").run(
-                lambda view: _listed(residual_launches(h, a, attn.o_proj, post, self.mlp)),
-                site=id(self),
+                lambda view: _listed(residual_launches(h, a, attn.o_proj, post, self.mlp))
             )
             if fused is not None:
                 return fused[0]

@@ -96,7 +96,7 @@ class Qwen35Block(PreNormBlock):
     def _linear_step(self, h: mx.array, conv: mx.array, recurrent: mx.array):
         if h.shape[0] == 1 and str(h.dtype) in self._fuse_linear_for:
             fused = kernel_module("fused").run(
-                lambda view: self._linear_launches(h, conv, recurrent, view), site=id(self)
+                lambda view: self._linear_launches(h, conv, recurrent, view)
             )
             if fused is not None:  # (a one-row step's conv inputs are its history)
                 out, last, states = fused

@@ -280,7 +280,7 @@ class Qwen4ExpBlock(nn.Module):
         if not hc.closes_fused(R, *unclosed):
             return None
         fused = kernel_module("fused").run(
-            lambda view: self._linear_launches(R, unclosed, conv, recurrent, view), site=id(self)
+            lambda view: self._linear_launches(R, unclosed, conv, recurrent, view)
         )
         if fused is None:
             return None
@@ -345,9 +345,7 @@ class Qwen4ExpBlock(nn.Module):
         output), closed by the next layer (`unclosed`)."""
         hc, mlp_hc = self.attn_hyper_connection, self.mlp_hyper_connection
         if self._fuse_moe_for == str(R.dtype) and hc.closes_fused(R, inj, out):
-            fused = kernel_module("fused").run(
-                lambda v: self._moe_launches(R, inj, out, v), site=id(self)
-            )
+            fused = kernel_module("fused").run(lambda v: self._moe_launches(R, inj, out, v))
             if fused is not None:  # the close to the experts' up launch, then the down
                 closed, _, gated, *moe = fused
                 return closed, gated[:, mlp_hc.lowrank :], self.mlp.finish(*moe)
