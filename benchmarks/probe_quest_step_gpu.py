@@ -69,6 +69,28 @@ def chained(fn, n: int, repeats: int) -> float:
     return eval_seconds(lambda: [fn(i) for i in range(n)], repeats) / n
 
 
+def fused_selection(select, n: int, repeats: int) -> dict:
+    """ms per call of the selection with its two launches as one (QWEN38_FUSED_KERNEL=auto:
+    kv/quest.py, kernels/fused.py), and whether its probe chose it (a fused launch traced)."""
+    import os
+
+    from qwen38_backend.kernels import fused
+
+    previous, traced = os.environ.get("QWEN38_FUSED_KERNEL"), []
+    launch = fused.launch
+    os.environ["QWEN38_FUSED_KERNEL"] = "auto"
+    fused.launch = lambda *a, **kw: traced.append(1) or launch(*a, **kw)
+    try:
+        ms = 1e3 * chained(select, n, repeats)
+    finally:
+        fused.launch = launch
+        if previous is None:
+            os.environ.pop("QWEN38_FUSED_KERNEL")
+        else:
+            os.environ["QWEN38_FUSED_KERNEL"] = previous
+    return {"select_fused_ms": ms, "select_fused_chosen": bool(traced)}
+
+
 def selection_parts(store, n: int, repeats: int) -> dict:
     """ms per call of one attention layer's selection pieces at its depth."""
     import mlx.core as mx
@@ -89,6 +111,7 @@ def selection_parts(store, n: int, repeats: int) -> dict:
         "select_ms": 1e3 * chained(lambda i: run(qs[i], store.kmin, store.kmax, count), n, repeats),
     }
     if out["kernel"]:
+        out.update(fused_selection(lambda i: run(qs[i], store.kmin, store.kmax, count), n, repeats))
         from qwen38_backend.kernels import quest_select
 
         def keys(i):
