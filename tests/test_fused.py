@@ -18,6 +18,7 @@ from qwen38_backend.kernels import (
     grid_sync,
     jit,
     moe_route,
+    qk_norm_rope,
     rows_matmul,
     stream_mix,
 )
@@ -47,7 +48,16 @@ def emulation(monkeypatch):
         clear_caches(module)
 
 
-LAYER_MODULES = (stream_mix, rows_matmul, gdn_decode, moe_route, expert_qmv, fused, grid_sync)
+LAYER_MODULES = (
+    stream_mix,
+    rows_matmul,
+    gdn_decode,
+    moe_route,
+    expert_qmv,
+    qk_norm_rope,
+    fused,
+    grid_sync,
+)
 
 
 @pytest.fixture
@@ -62,7 +72,7 @@ def emulated_layer(monkeypatch):
     monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
     for switch in ("ROWS_KERNEL", "ROWS_EPILOGUES"):
         monkeypatch.setenv(f"QWEN38_{switch}", "force")
-    for name in ("STREAM", "GATES", "MIX", "GDN", "ROUTE", "EXPERT"):
+    for name in ("STREAM", "GATES", "MIX", "GDN", "ROUTE", "EXPERT", "QK"):
         monkeypatch.setenv(f"QWEN38_{name}_KERNEL", "force")
     monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
     yield
@@ -437,15 +447,17 @@ def test_a_composition_not_resident_at_two_blocks_an_sm_runs_at_one(emulation, m
     assert fused.launch(taken).barrier.tolist() == [2 * 2, 0]  # 2 blocks, 2 barriers, no give-up
 
 
-def _random_27b_block(dtype, kind: str):
+def _random_27b_block(dtype, kind: str, **config):
     """A 27B block of `kind` (the tiny config with Gated DeltaNet key and value heads of 32,
-    its kernel's smallest) with random weights in `dtype` (the norms' too), fused as loaded."""
+    its kernel's smallest; `config`: more overrides) with random weights in `dtype` (the
+    norms' too), fused as loaded."""
     from qwen38_backend.config import Qwen35Config
     from qwen38_backend.models.layers import fuse_projections
     from qwen38_backend.models.qwen3_5 import Qwen35Block
     from qwen38_backend.testing.tiny_qwen3_5 import text_config
 
-    cfg = Qwen35Config.from_dict(text_config(linear_key_head_dim=32, linear_value_head_dim=32))
+    heads = {"linear_key_head_dim": 32, "linear_value_head_dim": 32, **config}
+    cfg = Qwen35Config.from_dict(text_config(**heads))
     mx.random.seed(7)
     block = Qwen35Block(cfg, kind)
     for name, value in tree_flatten(block.parameters()):  # norms off their ones
@@ -541,7 +553,8 @@ def test_a_27b_attention_output_fuses_bit_for_bit(emulated_layer, monkeypatch, d
         rows.prepare(dtype)
         for rows_in in {mx.float32, dtype}:
             x = h.astype(rows_in)
-            block._decide_out_fusion(rows_in)
+            block.self_attn.prepare_decode()
+            block._decide_fusions(rows_in)
             assert str(rows_in) in block._fuse_out_for  # the probe passed
             launches.clear()
             together = block._attention_out(x, out, gate)
@@ -551,3 +564,36 @@ def test_a_27b_attention_output_fuses_bit_for_bit(emulated_layer, monkeypatch, d
             apart = block._attention_out(x, out, gate)
             assert len(launches) == 1
             assert together.dtype == apart.dtype and mx.array_equal(together, apart).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_27b_attention_input_fuses_bit_for_bit(emulated_layer, monkeypatch, dtype):
+    """A 27B attention block's one-row q/k/v side (the input norm, the fused q/k/v product,
+    the q/k norm + RoPE kernel; heads of 256, the products' block) as one launch: its probe
+    passes, and q, k, v and the gate equal the step's with its launches apart, bit for bit."""
+    from qwen38_backend import rows
+    from qwen38_backend.config import FULL
+
+    monkeypatch.setenv("QWEN38_ROWS_NORM", "force")
+    heads = {"head_dim": 256, "num_attention_heads": 2, "mrope_section": [16, 8, 8]}
+    block = _random_27b_block(dtype, FULL, **heads)
+    H = block.self_attn.o_proj.weight.shape[0]
+    h = 2 * mx.random.normal((1, H), key=mx.random.key(11))
+    offset = mx.array(29, dtype=mx.int32)
+    launches = _count(monkeypatch, fused, "launch")
+    with rows.unpadded():
+        rows.prepare(dtype)
+        block.self_attn.prepare_decode()
+        for rows_in in {mx.float32, dtype}:
+            x = h.astype(rows_in)
+            block._decide_fusions(rows_in)
+            assert str(rows_in) in block._fuse_in_for  # the probe passed
+            launches.clear()
+            together = block._attention_in(x, offset)
+            mx.eval(together)
+            assert len(launches) == 1
+            block._fuse_in_for = frozenset()
+            apart = block._attention_in(x, offset)
+            assert len(launches) == 1 and len(together) == len(apart) == 4
+            for a, b in zip(together, apart, strict=True):
+                assert a.shape == b.shape and mx.array_equal(a, b).item()

@@ -274,12 +274,35 @@ class Attention(nn.Module):
     def _step_heads(self, qkv: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         """project_qkv's outputs from the fused rows of a step, the q/k norms and RoPE in one
         CUDA launch (kernels/qk_norm_rope.py; prepare_decode chose it)."""
-        T, D, kv_heads = qkv.shape[0], self.head_dim, self.n_kv_heads
         q, k, gate = kernel_module("qk_norm_rope").qk_norm_rope(
             qkv, self.q_norm.scale(), self.k_norm.scale(), offset, self._qk_layout
         )
+        return self.heads_from(qkv, q, k, gate)
+
+    def heads_from(self, qkv: mx.array, q: mx.array, k: mx.array, gate=None) -> tuple:
+        """project_qkv's (q, k, v, gate) from the fused rows and the q/k kernel's outputs."""
+        T, D, kv_heads = qkv.shape[0], self.head_dim, self.n_kv_heads
         v = qkv[:, -kv_heads * D :].reshape(1, T, kv_heads, D).transpose(0, 2, 1, 3)
         return q, k, v, gate
+
+    def qkv_launches(self, x: mx.array, offset: mx.array, norm: RMSNorm | None = None):
+        """project_qkv's launches for a step's one row, kernels only: [the fused rows qkv, q,
+        k, (gate)] (heads_from takes them), the fused product (rows.kernel_product, with
+        `norm` as a launch of its own) then the q/k norm + RoPE kernel, the bits of
+        project_qkv's; None where the step does not run them, or where the q/k kernel's
+        block (a head: head_dim threads) is not the products' (a fused launch takes one
+        thread count)."""
+        if "qkv_proj" not in self or x.shape[0] != 1 or not isinstance(offset, mx.array):
+            return None
+        if self.head_dim != kernel_module("rows_matmul").THREADS:
+            return None
+        qkv = kernel_product(self.qkv_proj, x, norm=norm)
+        if qkv is None or self._qk_kernel_for != str(qkv.dtype):
+            return None
+        heads = kernel_module("qk_norm_rope").qk_norm_rope(
+            qkv, self.q_norm.scale(), self.k_norm.scale(), offset, self._qk_layout
+        )
+        return [qkv, *(a for a in heads if a is not None)]
 
     def prepare_decode(self) -> None:
         """Decide (outside any compiled trace: the kernel's probe runs ops) whether a step's
@@ -387,8 +410,8 @@ class PreNormBlock(nn.Module):
 
     def decode_attention(self, h: mx.array, kv, offset: int) -> mx.array:
         self.self_attn.prepare_decode()  # outside the trace: the kernel's probe runs ops
-        if h.shape[0] == 1 and str(h.dtype) not in self._out_decided:
-            self._decide_out_fusion(h.dtype)  # outside the trace: its probe runs launches
+        if h.shape[0] == 1 and str(h.dtype) not in self._fusion_decided:
+            self._decide_fusions(h.dtype)  # outside the trace: the probes run launches
         # the position as an array: a Python int would be traced as a constant
         q, k, v, *gate = compiled(self, "_attention_in")(h, scalars.int32(offset))
         finish = compiled(self, "_attention_out")
@@ -399,7 +422,14 @@ class PreNormBlock(nn.Module):
         return attend_then(q, k, v, scale, lambda out: finish(h, out, *gate))
 
     def _attention_in(self, h: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
-        q, k, v, gate = self.self_attn.project_qkv(h, offset, norm=self.input_layernorm)
+        attn, norm = self.self_attn, self.input_layernorm
+        fused = None
+        if h.shape[0] == 1 and str(h.dtype) in self._fuse_in_for:  # (what the probe ran)
+            fused = kernel_module("fused").run(lambda _: attn.qkv_launches(h, offset, norm))
+        if fused is not None:
+            q, k, v, gate = attn.heads_from(*fused)
+        else:
+            q, k, v, gate = attn.project_qkv(h, offset, norm=norm)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attention_out(self, h: mx.array, out: mx.array, gate: mx.array | None = None):
@@ -413,31 +443,42 @@ class PreNormBlock(nn.Module):
                 return fused[0]
         return residual_step(h, a, attn.o_proj, post, self.mlp)
 
-    # the block input dtypes whose one-row step runs o_proj to the block's output as one
-    # fused launch (residual_launches), and those decided (frozensets: a module would hold a
-    # dict as a child)
+    # the block input dtypes whose one-row step runs its q/k/v side (the input norm, the
+    # fused product, the q/k kernel: Attention.qkv_launches) and its o_proj to the block's
+    # output (residual_launches) as one fused launch each, and those decided (frozensets: a
+    # module would hold a dict as a child)
+    _fuse_in_for: frozenset[str] = frozenset()
     _fuse_out_for: frozenset[str] = frozenset()
-    _out_decided: frozenset[str] = frozenset()
+    _fusion_decided: frozenset[str] = frozenset()
 
-    def _decide_out_fusion(self, h_dtype: mx.Dtype) -> None:
-        """Whether a one-row step's o_proj (with the residual), post-attention norm and MLP
-        (with the residual) run as one launch with the bits of their launches apart
-        (kernels/fused.py; probed on random rows of these dtypes, once per shape)."""
+    def _decide_fusions(self, h_dtype: mx.Dtype) -> None:
+        """Whether a one-row step's q/k/v side and its o_proj (with the residual),
+        post-attention norm and MLP (with the residual) run as one launch each with the bits
+        of their launches apart (kernels/fused.py; probed on random rows of these dtypes,
+        once per shape)."""
         fused, attn = kernel_module("fused"), self.self_attn
-        if fused is not None and "gate_up_proj" in self.mlp:
-            keys = mx.random.split(mx.random.key(46), 2)
+        if fused is not None:
+            keys = mx.random.split(mx.random.key(46), 3)
             o_proj = attn.o_proj.weight
             h = mx.random.normal((1, o_proj.shape[0]), key=keys[0]).astype(h_dtype)
             a = mx.random.normal((1, o_proj.shape[1]), key=keys[1]).astype(o_proj.dtype)
-            post, mlp = self.post_attention_layernorm, self.mlp
-            products = [attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            kinds = [(type(p).__name__, p.weight.shape, str(p.weight.dtype)) for p in products]
-            key = ("attention out", str(h_dtype), kinds)
+            offset = mx.array(37, dtype=mx.int32)
+            post, mlp, norm = self.post_attention_layernorm, self.mlp, self.input_layernorm
+            products = [attn.get("qkv_proj"), attn.o_proj, mlp.get("gate_up_proj"), mlp.down_proj]
+            kinds = [
+                (type(p).__name__, p.weight.shape, str(p.weight.dtype))
+                for p in products
+                if p is not None
+            ]
+            key = (str(h_dtype), kinds)
             if fused.agrees(
-                str(key), lambda view: _listed(residual_launches(h, a, attn.o_proj, post, mlp))
+                str(("attention in", key)), lambda _: attn.qkv_launches(h, offset, norm)
             ):
+                self._fuse_in_for |= {str(h_dtype)}
+            out = lambda _: _listed(residual_launches(h, a, attn.o_proj, post, mlp))  # noqa: E731
+            if fused.agrees(str(("attention out", key)), out):
                 self._fuse_out_for |= {str(h_dtype)}
-        self._out_decided |= {str(h_dtype)}
+        self._fusion_decided |= {str(h_dtype)}
 
 
 def residual_step(
