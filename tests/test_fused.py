@@ -597,3 +597,42 @@ def test_a_27b_attention_input_fuses_bit_for_bit(emulated_layer, monkeypatch, dt
             assert len(launches) == 1 and len(together) == len(apart) == 4
             for a, b in zip(together, apart, strict=True):
                 assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def test_a_qsa_input_side_fuses_bit_for_bit(emulated_layer, monkeypatch):
+    """A Flash-Next QSA layer's one-row input side (the close, the attention's gated residual
+    open, the indexer's product, the q/k/v product and the q/k norm + RoPE kernel; heads of
+    256, the products' block), bf16, as one launch: its probe passes, and every output of
+    the step's compiled input part (streams, inject weights, indexer queries and keys, q, k,
+    v, gate) equals the launches apart, bit for bit."""
+    from qwen38_backend import rows
+    from qwen38_backend.config import QSA, Qwen4ExpConfig
+    from qwen38_backend.models.layers import fuse_projections
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
+    from qwen38_backend.testing.tiny_qwen4_exp import text_config
+
+    dtype = mx.bfloat16
+    config = text_config("tiny")
+    config.update(head_dim=256, num_attention_heads=2, num_key_value_heads=1, indexer_head_dim=64)
+    config["rope_parameters"]["mrope_section"] = [16, 8, 8]
+    mx.random.seed(12)
+    block = Qwen4ExpBlock(Qwen4ExpConfig.from_dict(config), QSA)
+    block.set_dtype(dtype)
+    fuse_projections(block)
+    hc = block.attn_hyper_connection
+    R, unclosed = hc.step_operands(dtype, 13)
+    offset = mx.array(41, dtype=mx.int32)
+    launches = _count(monkeypatch, fused, "launch")
+    with rows.unpadded():
+        rows.prepare(dtype)
+        block.prepare_decode(dtype)
+        assert block._fuse_attention_for == str(dtype)  # the probe passed
+        launches.clear()
+        together = block._attention_in(R, offset, *unclosed)
+        mx.eval(together)
+        assert len(launches) == 1
+        block._fuse_attention_for = hc._fuse_for = ""
+        apart = block._attention_in(R, offset, *unclosed)
+    assert len(launches) == 1 and len(together) == len(apart) == 8
+    for a, b in zip(together, apart, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()

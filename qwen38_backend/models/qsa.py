@@ -440,9 +440,13 @@ class QSAAttention(Attention):
 
     def index_query(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
         """(roped indexer queries [T, Hi, D], raw indexer keys [T, D]) of x at `positions`."""
-        T = x.shape[0]
-        ix = self.indexer
-        qk = per_row(ix.index_qk_proj, x)  # a verify row = a plain step's (rows.py)
+        qk = per_row(self.indexer.index_qk_proj, x)  # a verify row = a plain step's (rows.py)
+        return self.index_from(qk, positions)
+
+    def index_from(self, qk: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """index_query's outputs from the indexer's product qk [T, Hi * D + D]: the queries'
+        norm and RoPE as ops (the selection is promised equal to the reference's)."""
+        T, ix = qk.shape[0], self.indexer
         split = ix.n_heads * ix.head_dim
         qi = ix.q_layernorm.for_product(qk[:, :split].reshape(T, ix.n_heads, ix.head_dim))
         qi = rope_at(qi, positions, self.rope.dims, self.rope.theta, qk.dtype)

@@ -23,7 +23,7 @@ from ..config import LINEAR, QSA, Qwen4ExpConfig
 from ..errors import InvalidOptionError, WeightsError
 from ..kernel_import import kernel_module
 from ..kv.contiguous import ContiguousKV
-from ..rows import STEP_MAX_ROWS, unpadded
+from ..rows import STEP_MAX_ROWS, kernel_product, unpadded
 from ..state import SequenceState
 from .base import CausalLM
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetState, decode_step
@@ -210,10 +210,12 @@ class Qwen4ExpBlock(nn.Module):
         self.mlp_hyper_connection.prepare_decode(dtype)
         self._fuse_linear_for = str(dtype) if self._fuses_linear(dtype) else ""
         self._fuse_moe_for = str(dtype) if self._fuses_moe(dtype) else ""
+        self._fuse_attention_for = str(dtype) if self._fuses_attention_in(dtype) else ""
         self._prepared = dtype
 
     _fuse_linear_for = ""  # the dtype whose one-row mixer side is one launch ("": none)
     _fuse_moe_for = ""  # the dtype whose one-row MoE side is two launches ("": none)
+    _fuse_attention_for = ""  # the dtype whose one-row QSA input side is one launch
 
     def _fuses_moe(self, dtype: mx.Dtype) -> bool:
         """Whether a one-row step's close, the MoE's open and its MoE up to the experts' down
@@ -308,10 +310,60 @@ class Qwen4ExpBlock(nn.Module):
         return R, tuple(unclosed)
 
     def _attention_in(self, R: mx.array, offset: mx.array, *unclosed) -> tuple[mx.array, ...]:
-        R, x, inj = self._open(R, unclosed)
+        attn = self.self_attn
         positions = positions_after(offset, R.shape[0])
-        qi, raw = self.self_attn.index_query(x, positions)
-        return (R, inj, qi, raw, *self.self_attn.project_qkv(x, offset))
+        if unclosed and self._fuse_attention_for == str(R.dtype):
+            fused = self._fused_attention_in(R, unclosed, offset)
+            if fused is not None:
+                R, inj, qk, heads = fused
+                return (R, inj, *attn.index_from(qk, positions), *attn.heads_from(*heads))
+        R, x, inj = self._open(R, unclosed)
+        qi, raw = attn.index_query(x, positions)
+        return (R, inj, qi, raw, *attn.project_qkv(x, offset))
+
+    def _attention_in_launches(self, R, unclosed: tuple, offset, view) -> list | None:
+        """[closed streams, block input, gated product, the indexer's product, then
+        Attention.qkv_launches'] of a one-row step's close, this layer's attention open, the
+        indexer's product and the q/k/v side as launches, or None."""
+        opened = self.attn_hyper_connection._open_launches(R, *unclosed, view)
+        if opened is None:
+            return None
+        attn = self.self_attn
+        qk = kernel_product(attn.indexer.index_qk_proj, opened[1])  # index_query's product
+        heads = None if qk is None else attn.qkv_launches(opened[1], offset)
+        return None if heads is None else [*opened, qk, *heads]
+
+    def _fused_attention_in(self, R, unclosed: tuple, offset) -> tuple | None:
+        """(R closed, the inject weights, the indexer's product, qkv_launches' outputs) of a
+        one-row step as one fused launch, or None (then apart)."""
+        hc = self.attn_hyper_connection
+        if not hc.closes_fused(R, *unclosed):
+            return None
+        fused = kernel_module("fused").run(
+            lambda view: self._attention_in_launches(R, unclosed, offset, view)
+        )
+        if fused is None:
+            return None
+        closed, _, gated, qk, *heads = fused
+        return closed, gated[:, hc.lowrank :], qk, heads
+
+    def _fuses_attention_in(self, dtype: mx.Dtype) -> bool:
+        """Whether a one-row step's close, this QSA layer's open, the indexer's product and
+        its q/k/v side run as one launch with the bits of the six (kernels/fused.py; probed
+        on random streams, once per shape)."""
+        fused = kernel_module("fused")
+        hc = self.attn_hyper_connection
+        if self.is_linear or fused is None or not hc._fuse_for:
+            return False
+        R, unclosed = hc.step_operands(dtype, 48)
+        offset = mx.array(37, dtype=mx.int32)
+        attn = self.self_attn
+        products = [attn.indexer.index_qk_proj, attn.get("qkv_proj")]
+        kinds = [(type(p).__name__, str(p.weight.dtype)) for p in products if p is not None]
+        key = ("qsa in", hc.hidden, hc.hc_count, hc.lowrank, attn.head_dim, str(dtype), kinds)
+        return fused.agrees(
+            str(key), lambda view: self._attention_in_launches(R, unclosed, offset, view)
+        )
 
     def _attention_out(self, R: mx.array, inj: mx.array, out: mx.array, gate: mx.array):
         return self._moe_step(R, inj, self.self_attn.output(out, gate))
