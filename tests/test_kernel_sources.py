@@ -474,3 +474,49 @@ def test_a_fused_quest_selection_compiles(tmp_path, monkeypatch, shared):
         top_select.top_ids(keys, 128)
     assert len(taken.phases) == 2
     _compiles_fused(tmp_path, fused, taken)
+
+
+@pytest.mark.parametrize("model", ["27b", "flash"])
+def test_a_fused_attention_input_side_compiles(tmp_path, monkeypatch, model):
+    """kernels/fused.py's composition of an attention layer's one-row input side at the real
+    shapes, bf16: the 27B's input norm, q/k/v product (24 gated heads and 4 KV heads of 256)
+    and q/k norm + RoPE kernel (PreNormBlock._attention_in); Flash-Next's close, gated
+    residual open (4 streams of 2,560, low rank 320), indexer product (4 heads + a key of
+    128), q/k/v product (24 gated heads, 2 KV heads of 256) and q/k kernel
+    (Qwen4ExpBlock._attention_in_launches)."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("--run-nvcc needs nvcc on PATH")
+    from qwen38_backend.kernels import fused
+
+    for module in (stream_mix, rows_matmul, qk_norm_rope):
+        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
+    for factory in FACTORIES:
+        factory.cache_clear()
+    dtype = mx.bfloat16
+
+    def zeros(*shape, dt=dtype):
+        return mx.zeros(shape, dt)
+
+    heads, kv, d = 24, 4 if model == "27b" else 2, 256
+    H = 5120 if model == "27b" else 2560
+    layout = qk_norm_rope.HeadLayout(heads, kv, d, True, 1e-6, 64, 1e7, 1.0, False)
+    with fused.capture() as taken:
+        if model == "27b":
+            x = rows_matmul.norm_rows(
+                zeros(1, H, dt=mx.float32), zeros(H, dt=mx.float32), 1e-6, dtype
+            )
+        else:
+            S, L = 4, 320
+            _, normed = stream_mix.closed_norm(
+                zeros(1, S * H), zeros(1, S), zeros(1, H), zeros(S * H), S, 1e-6
+            )
+            gated = rows_matmul.rows_matmul(normed, zeros(L + S, S * H), gates=(L, S))
+            x = rows_matmul.rows_matmul(
+                taken.view(gated, 0, (1, L)), zeros(S * H, L), mix=(normed, S)
+            )
+            rows_matmul.rows_matmul(x, zeros(4 * 128 + 128, H))
+        qkv = rows_matmul.rows_matmul(x, zeros(layout.q_width() + 2 * kv * d, H))
+        qk_norm_rope.qk_norm_rope(
+            qkv, zeros(d, dt=mx.float32), zeros(d, dt=mx.float32), mx.array(5, mx.int32), layout
+        )
+    _compiles_fused(tmp_path, fused, taken)
