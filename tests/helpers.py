@@ -161,3 +161,24 @@ def random_linear_block(dtype, seed: int = 3, quantized_moe: bool = False):
     shape = (mixer.n_v_heads, mixer.v_head_dim, mixer.k_head_dim)
     recurrent = 0.1 * mx.random.normal(shape, key=keys[4])
     return block, (R, inj, out, conv, recurrent)
+
+
+def random_qsa_block(dtype, seed: int = 12):
+    """A Flash-Next QSA layer (the tiny config with attention heads of 256, the products'
+    block, so its q/k/v side can fuse: two gated heads and one KV head; indexer heads of 64)
+    with random weights in `dtype`, fused as loaded."""
+    import mlx.core as mx
+
+    from qwen38_backend.config import QSA, Qwen4ExpConfig
+    from qwen38_backend.models.layers import fuse_projections
+    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
+    from qwen38_backend.testing.tiny_qwen4_exp import text_config
+
+    config = text_config("tiny")
+    config.update(head_dim=256, num_attention_heads=2, num_key_value_heads=1, indexer_head_dim=64)
+    config["rope_parameters"]["mrope_section"] = [16, 8, 8]
+    mx.random.seed(seed)
+    block = Qwen4ExpBlock(Qwen4ExpConfig.from_dict(config), QSA)
+    block.set_dtype(dtype)
+    fuse_projections(block)
+    return block

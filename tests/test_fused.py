@@ -605,20 +605,12 @@ def test_a_qsa_input_side_fuses_bit_for_bit(emulated_layer, monkeypatch):
     256, the products' block), bf16, as one launch: its probe passes, and every output of
     the step's compiled input part (streams, inject weights, indexer queries and keys, q, k,
     v, gate) equals the launches apart, bit for bit."""
+    from helpers import random_qsa_block
+
     from qwen38_backend import rows
-    from qwen38_backend.config import QSA, Qwen4ExpConfig
-    from qwen38_backend.models.layers import fuse_projections
-    from qwen38_backend.models.qwen4_exp import Qwen4ExpBlock
-    from qwen38_backend.testing.tiny_qwen4_exp import text_config
 
     dtype = mx.bfloat16
-    config = text_config("tiny")
-    config.update(head_dim=256, num_attention_heads=2, num_key_value_heads=1, indexer_head_dim=64)
-    config["rope_parameters"]["mrope_section"] = [16, 8, 8]
-    mx.random.seed(12)
-    block = Qwen4ExpBlock(Qwen4ExpConfig.from_dict(config), QSA)
-    block.set_dtype(dtype)
-    fuse_projections(block)
+    block = random_qsa_block(dtype)
     hc = block.attn_hyper_connection
     R, unclosed = hc.step_operands(dtype, 13)
     offset = mx.array(41, dtype=mx.int32)

@@ -1103,9 +1103,10 @@ def test_fused_opens_keep_flash_next_steps_bit_for_bit(tmp_path, monkeypatch):
 
 
 def test_fused_27b_steps_keep_their_bits(tmp_path, monkeypatch):
-    """A bf16 tiny 27B (Gated DeltaNet heads of 32, its kernel's smallest; the norm
-    prologue on, which the fusion needs) decoding with each Gated DeltaNet block's one-row
-    step and each attention block's from o_proj on as one persistent launch picks the same
+    """A bf16 tiny 27B (Gated DeltaNet heads of 32, its kernel's smallest; attention heads
+    of 256, the products' block; the norm prologue on, which the fusion needs) decoding with
+    each Gated DeltaNet block's one-row step, and each attention block's q/k/v side and its
+    o_proj on, as one persistent launch each picks the same
     greedy tokens with the same logits, bit for bit, as with their launches apart; every
     block chose it, and its launches ran token after token (each leaves the barrier's state
     zeros for the next: a state left wrong would hang the next launch's waits or break its
@@ -1116,6 +1117,7 @@ def test_fused_27b_steps_keep_their_bits(tmp_path, monkeypatch):
     calls = _count_calls(monkeypatch, kernel, "launch")
     models: dict = {}
     heads = {"linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    heads.update(head_dim=256, num_attention_heads=2, mrope_section=[16, 8, 8])  # q/k/v fuse
     switch = "QWEN38_FUSED_KERNEL"
     tokens, logits, _ = _decode_with(
         tmp_path, monkeypatch, switch, kernel, "qwen3_5", models, **heads
@@ -1126,7 +1128,37 @@ def test_fused_27b_steps_keep_their_bits(tmp_path, monkeypatch):
     assert tokens["auto"] == tokens["off"]
     for a, b in zip(logits["auto"], logits["off"], strict=True):
         assert mx.array_equal(a, b).item()
-    assert all(b._fuse_linear_for if b.is_linear else b._fuse_out_for for b in layers)
+    for b in layers:
+        assert b._fuse_linear_for if b.is_linear else b._fuse_in_for and b._fuse_out_for
+
+
+def test_a_fused_qsa_input_side_keeps_its_bits(monkeypatch):
+    """A bf16 Flash-Next QSA layer (attention heads of 256) whose one-row input side (the
+    close, the attention open, the indexer's product, the q/k/v product and the q/k kernel)
+    runs as one launch on the device: its probe passes, and every output equals the
+    launches apart, bit for bit."""
+    from helpers import random_qsa_block
+    from qwen38_backend.kernels import fused
+
+    from qwen38_backend import rows
+
+    monkeypatch.setenv("QWEN38_FUSED_KERNEL", "auto")
+    fused.agrees.cache_clear()
+    dtype = mx.bfloat16
+    block = random_qsa_block(dtype)
+    hc = block.attn_hyper_connection
+    R, unclosed = hc.step_operands(dtype, 13)
+    offset = mx.array(41, dtype=mx.int32)
+    with rows.unpadded():
+        rows.prepare(dtype)
+        block.prepare_decode(dtype)
+        assert block._fuse_attention_for == str(dtype)
+        together = block._attention_in(R, offset, *unclosed)
+        block._fuse_attention_for = hc._fuse_for = ""
+        apart = block._attention_in(R, offset, *unclosed)
+    for a, b in zip(together, apart, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    fused.agrees.cache_clear()
 
 
 def test_a_fused_flash_next_layer_step_keeps_its_bits(monkeypatch):
