@@ -336,6 +336,19 @@ def test_grid_sync_kernels_compile(recorded, tmp_path, dtype):
             compiles(tmp_path, kernel, types, template)
 
 
+def _real_kernels(monkeypatch, *modules):
+    """kernels/fused.py, with `modules` making real jit Kernels to capture (nvcc on PATH)."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("--run-nvcc needs nvcc on PATH")
+    from qwen38_backend.kernels import fused
+
+    for module in modules:
+        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
+    for factory in FACTORIES:
+        factory.cache_clear()
+    return fused
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("side", ["open", "gated deltanet", "moe"])
 def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
@@ -347,14 +360,7 @@ def test_fused_flash_next_launches_compile(tmp_path, monkeypatch, dtype, side):
     "moe": the open with the router product (512 experts + the shared gate), the routing
     kernel (its inputs views of that output) and the experts' up launch (4-bit, 10 a
     token, 640 wide, the shared expert's pair last)."""
-    if shutil.which("nvcc") is None:
-        pytest.fail("--run-nvcc needs nvcc on PATH")
-    from qwen38_backend.kernels import fused
-
-    for module in (stream_mix, rows_matmul, gdn_decode, moe_route, expert_qmv):
-        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
-    for factory in FACTORIES:
-        factory.cache_clear()
+    fused = _real_kernels(monkeypatch, stream_mix, rows_matmul, gdn_decode, moe_route, expert_qmv)
     H, S, L = 2560, 4, 320
     hk, hv, d = 16, 48, 128
     conv_dim, value_dim = 2 * hk * d + hv * d, hv * d
@@ -416,14 +422,7 @@ def test_a_fused_27b_gated_deltanet_layer_compiles(tmp_path, monkeypatch, dtype)
     norm, the in-projection (its output four views for the kernel), the Gated DeltaNet
     kernel, out_proj with the fp32 residual, the post-mixer norm, gate / up with the swiglu,
     down with the residual (Qwen35Block._linear_launches)."""
-    if shutil.which("nvcc") is None:
-        pytest.fail("--run-nvcc needs nvcc on PATH")
-    from qwen38_backend.kernels import fused
-
-    for module in (rows_matmul, gdn_decode):
-        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
-    for factory in FACTORIES:
-        factory.cache_clear()
+    fused = _real_kernels(monkeypatch, rows_matmul, gdn_decode)
     H, inter, hk, hv, d = 5120, 17408, 16, 48, 128
     conv_dim, value_dim = 2 * hk * d + hv * d, hv * d
 
@@ -457,14 +456,7 @@ def test_a_fused_quest_selection_compiles(tmp_path, monkeypatch, shared):
     """kernels/fused.py's composition of a Quest selection at the 27B's shapes (24 query
     heads, 4 KV heads of 256, bf16 metadata of 8,192 pages, 2,048 tokens of pages of 16):
     the page keys at the top-k's 1,024 threads, then the top-k (kv/quest.py's `together`)."""
-    if shutil.which("nvcc") is None:
-        pytest.fail("--run-nvcc needs nvcc on PATH")
-    from qwen38_backend.kernels import fused
-
-    for module in (quest_select, top_select):
-        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
-    for factory in FACTORIES:
-        factory.cache_clear()
+    fused = _real_kernels(monkeypatch, quest_select, top_select)
     meta = mx.zeros((4, 8192, 256), mx.bfloat16)
     with fused.capture() as taken:
         keys = quest_select.page_keys(
@@ -484,14 +476,7 @@ def test_a_fused_attention_input_side_compiles(tmp_path, monkeypatch, model):
     residual open (4 streams of 2,560, low rank 320), indexer product (4 heads + a key of
     128), q/k/v product (24 gated heads, 2 KV heads of 256) and q/k kernel
     (Qwen4ExpBlock._attention_in_launches)."""
-    if shutil.which("nvcc") is None:
-        pytest.fail("--run-nvcc needs nvcc on PATH")
-    from qwen38_backend.kernels import fused
-
-    for module in (stream_mix, rows_matmul, qk_norm_rope):
-        monkeypatch.setattr(module, "cuda_kernel", jit.cuda_kernel)
-    for factory in FACTORIES:
-        factory.cache_clear()
+    fused = _real_kernels(monkeypatch, stream_mix, rows_matmul, qk_norm_rope)
     dtype = mx.bfloat16
 
     def zeros(*shape, dt=dtype):

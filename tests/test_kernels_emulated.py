@@ -380,6 +380,16 @@ def test_quest_top_kernel_picks_as_top_pages(emulated_select, rows, n, n_select)
     assert top_select.top_available(n_select)
 
 
+def _quest_operands(seed: int) -> tuple[mx.array, ...]:
+    """A Quest selection's operands at 27B heads (24 query, 4 KV of 256): q, bf16 page
+    bounds of a 1,500 capacity, 1,300 live pages."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((24, 256), key=keys[0]).astype(mx.bfloat16)
+    lo = mx.random.normal((4, 1500, 256), key=keys[1])
+    hi = lo + mx.abs(mx.random.normal((4, 1500, 256), key=keys[2]))
+    return (q, *quest.outward_bf16(lo, hi), mx.array(1300, dtype=mx.int32))
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_quest_selection_through_both_kernels(emulated_select, monkeypatch, shared):
     """A whole Quest selection (quest.selector) with the page-key and top-k kernels emulated
@@ -387,12 +397,7 @@ def test_quest_selection_through_both_kernels(emulated_select, monkeypatch, shar
     1,500 capacity, sinks and a recent window."""
     emulate(monkeypatch, quest_select)
     monkeypatch.setenv("QWEN38_QUEST_KERNEL", "force")  # the page keys' probe: its own test
-    keys = mx.random.split(mx.random.key(3), 3)
-    q = mx.random.normal((24, 256), key=keys[0]).astype(mx.bfloat16)
-    lo = mx.random.normal((4, 1500, 256), key=keys[1])
-    hi = lo + mx.abs(mx.random.normal((4, 1500, 256), key=keys[2]))
-    kmin, kmax = quest.outward_bf16(lo, hi)
-    n_pages = mx.array(1300, dtype=mx.int32)
+    q, kmin, kmax, n_pages = _quest_operands(3)
     try:
         got = quest.selector(96, 1, 2, shared)(q, kmin, kmax, n_pages)
         assert quest.top_kernel_usable(1500, 96)
@@ -684,12 +689,7 @@ def test_a_quest_selection_fuses_its_two_launches(emulated_select, monkeypatch, 
         emulate(monkeypatch, module)
     monkeypatch.setattr(grid_sync, "sm_count", lambda: 2)
     monkeypatch.setenv("QWEN38_QUEST_KERNEL", "force")  # the page keys' probe: its own test
-    keys = mx.random.split(mx.random.key(4), 3)
-    q = mx.random.normal((24, 256), key=keys[0]).astype(mx.bfloat16)
-    lo = mx.random.normal((4, 1500, 256), key=keys[1])
-    hi = lo + mx.abs(mx.random.normal((4, 1500, 256), key=keys[2]))
-    kmin, kmax = quest.outward_bf16(lo, hi)
-    n_pages = mx.array(1300, dtype=mx.int32)
+    q, kmin, kmax, n_pages = _quest_operands(4)
     launches = []
     real = fused.launch
     monkeypatch.setattr(fused, "launch", lambda *a, **kw: launches.append(1) or real(*a, **kw))
