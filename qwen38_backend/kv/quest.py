@@ -333,13 +333,19 @@ def selector(n_select: int, sink_pages: int, recent_pages: int, shared: bool):
     fused = mx.compile(lambda *operands: kernel_module("fused").run(lambda _: together(*operands)))
 
     choice = (n_select, sink_pages, recent_pages, shared)
+    fuses: dict[tuple, bool] = {}  # by operand shapes and dtypes: this runs every token
 
     def run(q: mx.array, kmin: mx.array, kmax: mx.array, n_pages: mx.array) -> mx.array:
         if not kernel_usable(q, kmin, kmax):
             return ops(q, kmin, kmax, n_pages)
+        shapes = (q.shape, q.dtype, kmin.shape, kmin.dtype)
+        if shapes not in fuses:
+            usable = top_kernel_usable(kmin.shape[1], n_select)
+            operands = (q, kmin, kmax, n_pages)
+            fuses[shapes] = usable and _fuses(operands, together, choice)
         if not top_kernel_usable(kmin.shape[1], n_select):
             chosen = top(keys_of(q, kmin, kmax, n_pages))
-        elif _fuses((q, kmin, kmax, n_pages), together, choice):
+        elif fuses[shapes]:
             (chosen,) = fused(q, kmin, kmax, n_pages)
         else:
             chosen = launches(q, kmin, kmax, n_pages)[0]
