@@ -118,11 +118,11 @@ class Qwen35Block(PreNormBlock):
         self._fusion_decided |= {str(h_dtype)}
 
     def _fuses_linear(self, h_dtype: mx.Dtype, dtype: mx.Dtype) -> bool:
-        """Whether a one-row step of this Gated DeltaNet block (the in-projection with the
-        input norm in its prologue, the Gated DeltaNet kernel, out_proj with the residual,
-        gate / up with the post-mixer norm and the swiglu, down with the residual) runs as one
-        launch with the bits of the five (kernels/fused.py; probed on random rows and state
-        of these dtypes, once per shape)."""
+        """Whether a one-row step of this Gated DeltaNet block (the input norm, the
+        in-projection, the Gated DeltaNet kernel, out_proj with the residual, the post-mixer
+        norm, gate / up with the swiglu, down with the residual) runs as one launch with the
+        bits of those launches apart (kernels/fused.py; probed on random rows and state of
+        these dtypes, once per shape)."""
         fused = kernel_module("fused")
         if fused is None:
             return False
