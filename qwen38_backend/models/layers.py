@@ -464,12 +464,9 @@ class PreNormBlock(nn.Module):
             a = mx.random.normal((1, o_proj.shape[1]), key=keys[1]).astype(o_proj.dtype)
             offset = mx.array(37, dtype=mx.int32)
             post, mlp, norm = self.post_attention_layernorm, self.mlp, self.input_layernorm
-            products = [attn.get("qkv_proj"), attn.o_proj, mlp.get("gate_up_proj"), mlp.down_proj]
-            kinds = [
-                (type(p).__name__, p.weight.shape, str(p.weight.dtype))
-                for p in products
-                if p is not None
-            ]
+            products = (attn.get("qkv_proj"), attn.o_proj, mlp.get("gate_up_proj"), mlp.down_proj)
+            weights = [p.get("weight") for p in products if p is not None]  # (a sharded one: none)
+            kinds = [(w.shape, str(w.dtype)) for w in weights if w is not None]
             key = (str(h_dtype), kinds)
             if fused.agrees(
                 str(("attention in", key)), lambda _: attn.qkv_launches(h, offset, norm)
